@@ -1,0 +1,471 @@
+//! Request and response bodies of the HTTP service (SPEC section 12).
+//!
+//! Times are milliseconds since the Unix epoch. Request bodies refuse unknown fields, so a
+//! misspelt option is a 400, not silently ignored.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use crate::event::{EphemeralEnvelope, Envelope};
+pub use crate::id::*;
+pub use crate::types::*;
+
+/// `GET /api/health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Health {
+    pub ok: bool,
+    pub version: String,
+}
+
+/// `POST /api/session`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    /// Where the session's tools work; defaults to the server's working directory and must exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub directory: Option<String>,
+    /// An agent named in `keel.toml`; defaults to `build`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// `provider/model`; defaults to the configured default model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// `PATCH /api/session/{id}`: rename, or switch agent or model for later steps.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateSession {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// `provider/model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// A session as projected from its log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Session {
+    pub id: SessionId,
+    pub title: Option<String>,
+    pub directory: String,
+    pub agent: String,
+    pub model: ModelRef,
+    pub time_created: i64,
+    pub time_updated: i64,
+    /// Token usage of all steps so far.
+    pub usage: Usage,
+    /// Cost of all steps so far in US dollars.
+    pub cost: f64,
+    /// The seq of the session's latest durable event.
+    pub last_seq: u64,
+}
+
+/// `GET /api/session?cursor=&limit=`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListSessionsQuery {
+    /// `next_cursor` of the previous page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<String>,
+    /// Page size, 1 to 200 (default 50).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// A page of sessions, newest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SessionList {
+    pub items: Vec<Session>,
+    /// Pass as `cursor` for the next page; absent on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// The execution currently claimed for a session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ExecutionStatus {
+    pub id: ExecutionId,
+    pub owner_id: OwnerId,
+    pub phase: Phase,
+    pub expires_at: i64,
+}
+
+/// `GET /api/session/{id}/status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SessionStatus {
+    pub busy: bool,
+    pub execution: Option<ExecutionStatus>,
+    /// Admitted inputs not yet promoted or cancelled.
+    pub pending_inputs: u32,
+}
+
+/// `POST /api/session/{id}/prompt`.
+///
+/// Retrying with the same `id` and the same content (parts, delivery, request_execution)
+/// returns the original input with `replayed: true`; other content is a 409.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PromptRequest {
+    /// A client-chosen id that makes retries idempotent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<InputId>,
+    pub parts: Vec<Part>,
+    /// Defaults to `queue`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Delivery>,
+    /// Defaults to true: wake an execution for this input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_execution: Option<bool>,
+}
+
+/// Where an admitted input stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum InputStatus {
+    Pending,
+    Promoted,
+    Cancelled,
+}
+
+/// An admitted input.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Input {
+    pub id: InputId,
+    pub session_id: SessionId,
+    pub delivery: Delivery,
+    pub parts: Vec<Part>,
+    pub source: InputSource,
+    pub request_execution: bool,
+    pub status: InputStatus,
+    pub admitted_seq: u64,
+    pub promoted_seq: Option<u64>,
+}
+
+/// Response to `POST /api/session/{id}/prompt`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct PromptResponse {
+    pub input: Input,
+    /// True when this was a retry of an input already admitted; nothing new was written.
+    pub replayed: bool,
+}
+
+/// Response to `POST /api/session/{id}/interrupt`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct InterruptResponse {
+    /// False when the session was idle or already stopping.
+    pub interrupted: bool,
+}
+
+/// `POST /api/session/{id}/permission/{request_id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PermissionReply {
+    pub decision: Decision,
+}
+
+/// `POST /api/session/{id}/question/{request_id}`: an answer, or a dismissal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum QuestionReply {
+    Answer {
+        answer: String,
+    },
+    /// `{"dismiss": true}`; the continuation is interrupted.
+    Dismiss {
+        dismiss: bool,
+    },
+}
+
+/// Acknowledges a request that changes state asynchronously.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Accepted {
+    pub accepted: bool,
+}
+
+/// One part of an assistant message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AssistantPart {
+    Text {
+        ordinal: u32,
+        text: String,
+    },
+    Reasoning {
+        ordinal: u32,
+        text: String,
+        provider_metadata: Option<Value>,
+    },
+    Tool {
+        call_id: CallId,
+        name: String,
+        input: Value,
+        effect: Effect,
+        provider_executed: bool,
+        status: ToolStatus,
+        /// What the model sees of a completed call.
+        content: Vec<ToolContent>,
+        /// Why a call failed.
+        error: Option<ErrorInfo>,
+    },
+}
+
+/// Where a tool call stands. Every call ends `completed` or `error`, exactly once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolStatus {
+    Pending,
+    Running,
+    Completed,
+    Error,
+}
+
+/// How an assistant message ended, once it has.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum StepEnd {
+    Ended { finish: Finish },
+    Failed { error: ErrorInfo },
+    Interrupted { reason: InterruptReason },
+    Recovered { execution_id: ExecutionId },
+}
+
+/// A message of the projected transcript, in log order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Message {
+    User {
+        id: MessageId,
+        /// The seq of the event that created the message.
+        seq: u64,
+        input_id: InputId,
+        parts: Vec<Part>,
+    },
+    Assistant {
+        id: MessageId,
+        seq: u64,
+        step: u32,
+        agent: String,
+        model: ModelRef,
+        parts: Vec<AssistantPart>,
+        /// Absent while the step runs.
+        end: Option<StepEnd>,
+        usage: Usage,
+        cost: f64,
+    },
+    Synthetic {
+        id: MessageId,
+        seq: u64,
+        text: String,
+        reason: SyntheticReason,
+    },
+    /// A compaction summary; it stands for every message before `boundary_seq`.
+    Summary {
+        seq: u64,
+        boundary_seq: u64,
+        summary: String,
+    },
+}
+
+/// `GET /api/session/{id}/messages`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MessageList {
+    pub items: Vec<Message>,
+}
+
+/// `GET /api/session/{id}/log` query.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LogQuery {
+    /// Send durable events with seq greater than this (default 0). `Last-Event-ID` wins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<u64>,
+    /// Keep the stream open for live events after `synced` (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub follow: Option<bool>,
+    /// `ephemeral` interleaves live deltas (without `id:`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub include: Option<String>,
+}
+
+/// One message of the log stream: a durable event (`id:` = seq), an ephemeral event when
+/// asked for, or the `synced` marker between history and live events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum LogItem {
+    Durable(Envelope),
+    Ephemeral(EphemeralEnvelope),
+    Synced(Synced),
+}
+
+/// Sent once on the log stream (as `event: synced`) when the history has been sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Synced {
+    #[serde(rename = "type")]
+    pub kind: SyncedType,
+    pub last_seq: u64,
+}
+
+/// The `type` of [`Synced`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SyncedType {
+    Synced,
+}
+
+/// One message of `GET /api/event`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum LiveItem {
+    Durable(Envelope),
+    Ephemeral(EphemeralEnvelope),
+    Lagged(Lagged),
+}
+
+/// The last message to a subscriber that fell behind (`event: lagged`); it is then
+/// disconnected, never silently skipped. Reconnect and catch up from each session's log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Lagged {
+    #[serde(rename = "type")]
+    pub kind: LaggedType,
+    /// Why the subscriber was disconnected.
+    pub reason: String,
+}
+
+/// The `type` of [`Lagged`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LaggedType {
+    Lagged,
+}
+
+/// A running Keel process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Node {
+    pub id: OwnerId,
+    pub host: String,
+    pub pid: u32,
+    pub started_at: i64,
+    pub heartbeat_at: i64,
+    /// Sessions whose execution this node owns now.
+    pub sessions: u32,
+}
+
+/// `GET /api/nodes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct NodeList {
+    pub items: Vec<Node>,
+}
+
+/// The kind of an API error; each maps to one HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorType {
+    /// 400: malformed JSON, wrong types, unknown fields, bad ids.
+    BadRequest,
+    /// 401: no or bad bearer token.
+    Unauthorized,
+    /// 404: unknown route, session or request.
+    NotFound,
+    /// 409: conflicts with the current state (an id reused with other content).
+    Conflict,
+    /// 413: the body is over the limit.
+    PayloadTooLarge,
+    /// 422: well-formed but invalid (an unknown model, a directory that does not exist).
+    Unprocessable,
+    /// 500: a fault in Keel or its database; the message says what failed.
+    Internal,
+    /// 503: the server is shutting down or its database is unreachable.
+    Unavailable,
+}
+
+impl ErrorType {
+    /// The HTTP status this error is sent with.
+    pub fn status(self) -> u16 {
+        match self {
+            Self::BadRequest => 400,
+            Self::Unauthorized => 401,
+            Self::NotFound => 404,
+            Self::Conflict => 409,
+            Self::PayloadTooLarge => 413,
+            Self::Unprocessable => 422,
+            Self::Internal => 500,
+            Self::Unavailable => 503,
+        }
+    }
+}
+
+/// The body of every error response: `{"error": {"type", "message"}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// What went wrong and what to do about it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ErrorDetail {
+    #[serde(rename = "type")]
+    pub kind: ErrorType,
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn prompt_request_refuses_unknown_fields() {
+        let err = serde_json::from_value::<PromptRequest>(
+            json!({"parts": [{"type": "text", "text": "hi"}], "deliver": "steer"}),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `deliver`"), "{err}");
+    }
+
+    #[test]
+    fn question_reply_reads_an_answer_or_a_dismissal() {
+        assert_eq!(
+            serde_json::from_value::<QuestionReply>(json!({"answer": "pin"})).unwrap(),
+            QuestionReply::Answer {
+                answer: "pin".into()
+            }
+        );
+        assert_eq!(
+            serde_json::from_value::<QuestionReply>(json!({"dismiss": true})).unwrap(),
+            QuestionReply::Dismiss { dismiss: true }
+        );
+    }
+
+    #[test]
+    fn synced_marker_has_the_documented_shape() {
+        let synced = Synced {
+            kind: SyncedType::Synced,
+            last_seq: 9,
+        };
+        assert_eq!(
+            serde_json::to_value(&synced).unwrap(),
+            json!({"type": "synced", "last_seq": 9})
+        );
+    }
+
+    #[test]
+    fn error_body_has_the_documented_shape() {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                kind: ErrorType::PayloadTooLarge,
+                message: "the body is over the 16 MiB limit".into(),
+            },
+        };
+        assert_eq!(
+            serde_json::to_value(&body).unwrap(),
+            json!({"error": {"type": "payload_too_large", "message": "the body is over the 16 MiB limit"}})
+        );
+        assert_eq!(body.error.kind.status(), 413);
+    }
+}

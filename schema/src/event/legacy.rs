@@ -1,0 +1,95 @@
+//! Earlier versions of event payloads, kept decodable forever.
+//!
+//! Each struct is the payload exactly as it was published, with an upcast (`From`) into
+//! the latest shape. Readers never see these types: [`super::DurableEvent::decode`] upcasts.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::Example;
+use super::payload::{self, sample};
+use crate::id::{CallId, MessageId};
+use crate::types::{Finish, ToolContent, Usage};
+
+/// `session.next.tool.success` version 1: every result carried its raw `result` beside the
+/// text the model saw, so large outputs were stored twice.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ToolSuccessV1 {
+    pub call_id: CallId,
+    /// What the model saw.
+    pub output: String,
+    /// The tool's raw result.
+    pub result: Value,
+}
+
+impl From<ToolSuccessV1> for payload::ToolSuccess {
+    /// The raw result becomes the structured output (where version 2 keeps it) and the
+    /// text becomes the only content; `result` stays unset, as only provider-executed
+    /// tools keep it and version 1 holds the same value in `structured`.
+    fn from(old: ToolSuccessV1) -> Self {
+        Self {
+            call_id: old.call_id,
+            structured: old.result,
+            content: vec![ToolContent::Text { text: old.output }],
+            result: None,
+        }
+    }
+}
+
+impl Example for ToolSuccessV1 {
+    fn example() -> Self {
+        Self {
+            call_id: sample::call(),
+            output: "1: #[test]\n2: fn login() {}".into(),
+            result: json!({"path": "tests/login.rs", "lines": 2}),
+        }
+    }
+}
+
+/// Token counts as `session.next.step.ended` version 1 recorded them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokensV1 {
+    pub input: u64,
+    pub output: u64,
+}
+
+/// `session.next.step.ended` version 1: input and output tokens only, no cost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StepEndedV1 {
+    pub assistant_message_id: MessageId,
+    pub finish: Finish,
+    pub tokens: TokensV1,
+}
+
+impl From<StepEndedV1> for payload::StepEnded {
+    /// Version 1 did not split reasoning or cache tokens nor price steps: those are 0.
+    fn from(old: StepEndedV1) -> Self {
+        Self {
+            assistant_message_id: old.assistant_message_id,
+            finish: old.finish,
+            usage: Usage {
+                input: old.tokens.input,
+                output: old.tokens.output,
+                ..Usage::default()
+            },
+            cost: 0.0,
+        }
+    }
+}
+
+impl Example for StepEndedV1 {
+    fn example() -> Self {
+        Self {
+            assistant_message_id: sample::assistant(),
+            finish: Finish::ToolCalls,
+            tokens: TokensV1 {
+                input: 900,
+                output: 40,
+            },
+        }
+    }
+}
