@@ -7,7 +7,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use crate::event::{EphemeralEnvelope, Envelope};
+pub use crate::event::{Envelope, EphemeralEnvelope};
 pub use crate::id::*;
 pub use crate::types::*;
 
@@ -137,6 +137,7 @@ pub enum InputStatus {
 pub struct Input {
     pub id: InputId,
     pub session_id: SessionId,
+    pub kind: InputKind,
     pub delivery: Delivery,
     pub parts: Vec<Part>,
     pub source: InputSource,

@@ -62,9 +62,7 @@ pub enum Part {
 }
 
 /// When an admitted input joins the transcript.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Delivery {
     /// At the next step boundary of a running execution; pending steers coalesce into one turn.
@@ -72,6 +70,30 @@ pub enum Delivery {
     /// One at a time, only when the session would otherwise go idle.
     #[default]
     Queue,
+}
+
+/// What an input asks for.
+///
+/// A prompt becomes a user message when promoted. A control input asks the engine itself
+/// for something (today: a compaction); it is promoted in admission order and blocks the
+/// steering prompts admitted after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum InputKind {
+    #[default]
+    Prompt,
+    /// A request to compact the session's history (`POST …/compact`).
+    Compact,
+}
+
+impl InputKind {
+    /// Whether this is a control input rather than a prompt.
+    pub fn is_control(self) -> bool {
+        match self {
+            Self::Prompt => false,
+            Self::Compact => true,
+        }
+    }
 }
 
 /// Who produced an input.

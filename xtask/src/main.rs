@@ -1,1 +1,131 @@
-fn main() {}
+//! Keel's project tasks, run as `cargo xtask <task>`.
+//!
+//! - `regenerate`: writes every generated file (contracts and the client's endpoint layer).
+//! - `check`: fails, naming each file, when a generated file is stale, when the catalog and
+//!   `contracts/events/` disagree, or when a published event version's schema changed.
+//! - `bench`, `crash`: not built yet (see the README's status list).
+
+mod published;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use keel_codegen::{EVENTS_DIR, File, check, generate};
+
+const USAGE: &str = "usage: cargo xtask <regenerate|check|bench|crash>";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("regenerate") => regenerate(&workspace_root()),
+        Some("check") => run_check(&workspace_root()),
+        Some(task @ ("bench" | "crash")) => Err(anyhow::anyhow!(
+            "`cargo xtask {task}` is not built yet; see the README's status list"
+        )),
+        _ => Err(anyhow::anyhow!(USAGE)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one directory below the workspace root")
+        .to_path_buf()
+}
+
+/// Writes every generated file whose contents changed, and removes event files that the
+/// catalog no longer generates.
+fn regenerate(root: &Path) -> Result<()> {
+    let files = generate();
+    let mut changed = 0;
+    for file in &files {
+        let path = root.join(&file.path);
+        if fs::read_to_string(&path).ok().as_deref() == Some(file.contents.as_str()) {
+            continue;
+        }
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        fs::write(&path, &file.contents).with_context(|| format!("writing {}", file.path))?;
+        println!("wrote {}", file.path);
+        changed += 1;
+    }
+    for path in read_generated(root, &[])?.into_keys() {
+        if !files.iter().any(|f| f.path == path) {
+            fs::remove_file(root.join(&path)).with_context(|| format!("removing {path}"))?;
+            println!("removed {path}");
+            changed += 1;
+        }
+    }
+    println!("{} generated files, {changed} changed", files.len());
+    Ok(())
+}
+
+/// Reads the generated files present on disk: the given paths that exist, and every file
+/// under `contracts/events/`.
+fn read_generated(root: &Path, files: &[File]) -> Result<BTreeMap<String, String>> {
+    let mut on_disk = BTreeMap::new();
+    for file in files {
+        match fs::read_to_string(root.join(&file.path)) {
+            Ok(contents) => {
+                on_disk.insert(file.path.clone(), contents);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("reading {}", file.path)),
+        }
+    }
+    let dir = root.join(EVENTS_DIR);
+    if dir.exists() {
+        for entry in fs::read_dir(&dir).with_context(|| format!("listing {EVENTS_DIR}"))? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = format!("{EVENTS_DIR}/{name}");
+            let contents =
+                fs::read_to_string(entry.path()).with_context(|| format!("reading {path}"))?;
+            on_disk.insert(path, contents);
+        }
+    }
+    Ok(on_disk)
+}
+
+fn run_check(root: &Path) -> Result<()> {
+    let files = generate();
+    let on_disk = read_generated(root, &files)?;
+    let mut problems = Vec::new();
+    match published::read(root)? {
+        published::Base::Found {
+            name,
+            files: published,
+        } => {
+            println!(
+                "checking {} published event schemas from `{name}`",
+                published.len()
+            );
+            problems.extend(check::published(&files, &published));
+        }
+        published::Base::Missing { name } => println!(
+            "note: no `{name}` branch in this checkout, so the published-version check was \
+             skipped (set KEEL_CONTRACTS_BASE to another ref to run it)"
+        ),
+    }
+    problems.extend(check::stale(&files, &on_disk));
+    problems.extend(check::index_agrees_with_files(&on_disk));
+    if problems.is_empty() {
+        println!("contracts are up to date ({} generated files)", files.len());
+        return Ok(());
+    }
+    for problem in &problems {
+        eprintln!("{problem}");
+    }
+    bail!("{} contract problem(s)", problems.len())
+}

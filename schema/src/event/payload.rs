@@ -11,8 +11,8 @@ use serde_json::{Map, Value, json};
 use super::Example;
 use crate::id::{CallId, ExecutionId, InputId, MessageId, OwnerId, RequestId};
 use crate::types::{
-    CompactionReason, Decision, Delivery, Effect, ErrorInfo, Finish, InputSource, InterruptReason,
-    ModelRef, Outcome, Part, SyntheticReason, ToolContent, Usage,
+    CompactionReason, Decision, Delivery, Effect, ErrorInfo, Finish, InputKind, InputSource,
+    InterruptReason, ModelRef, Outcome, Part, SyntheticReason, ToolContent, Usage,
 };
 
 /// Deterministic ids for examples: the same contract bytes on every run.
@@ -163,6 +163,7 @@ impl Example for Deleted {
 #[serde(deny_unknown_fields)]
 pub struct PromptAdmitted {
     pub input_id: InputId,
+    pub kind: InputKind,
     pub delivery: Delivery,
     pub parts: Vec<Part>,
     pub source: InputSource,
@@ -175,6 +176,7 @@ impl Example for PromptAdmitted {
     fn example() -> Self {
         Self {
             input_id: sample::input(),
+            kind: InputKind::Prompt,
             delivery: Delivery::Queue,
             parts: vec![Part::Text {
                 text: "Why does test_login fail on CI?".into(),
@@ -711,12 +713,16 @@ impl Example for StepRecovered {
 #[serde(deny_unknown_fields)]
 pub struct CompactionStarted {
     pub reason: CompactionReason,
+    /// The control input this compaction promotes, for a requested (manual) compaction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_id: Option<InputId>,
 }
 
 impl Example for CompactionStarted {
     fn example() -> Self {
         Self {
-            reason: CompactionReason::Auto,
+            reason: CompactionReason::Manual,
+            input_id: Some(sample::input()),
         }
     }
 }

@@ -140,7 +140,10 @@ fn legacy_tool_success_that_carried_result_decodes_into_the_latest_shape() {
     );
     // Re-encoding writes the latest version.
     let raw = decoded.to_raw().unwrap();
-    assert_eq!((raw.type_name.as_str(), raw.version), ("session.next.tool.success", 2));
+    assert_eq!(
+        (raw.type_name.as_str(), raw.version),
+        ("session.next.tool.success", 2)
+    );
 }
 
 #[test]
@@ -193,6 +196,12 @@ fn a_payload_that_does_not_match_its_version_is_refused() {
         json!({"call_id": "call_01KBFVGY400000000000000007", "output": "x", "result": 1}),
     )
     .unwrap_err();
-    assert!(matches!(err, DecodeError::Invalid { version: 2, .. }), "{err}");
-    assert!(err.to_string().contains("session.next.tool.success.2"), "{err}");
+    assert!(
+        matches!(err, DecodeError::Invalid { version: 2, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("session.next.tool.success.2"),
+        "{err}"
+    );
 }
