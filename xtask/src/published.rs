@@ -9,8 +9,8 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
-use keel_codegen::EVENTS_DIR;
 use keel_codegen::check::Published;
+use keel_codegen::{EVENTS_DIR, INDEX_PATH};
 
 pub enum Base {
     Found {
@@ -52,7 +52,10 @@ pub fn read(root: &Path) -> Result<Base> {
         bail!("git could not list {EVENTS_DIR} on `{name}`");
     };
     let mut files = BTreeMap::new();
-    for path in listing.lines().filter(|p| p.ends_with(".json")) {
+    for path in listing
+        .lines()
+        .filter(|p| p.ends_with(".json") && *p != INDEX_PATH)
+    {
         // The oldest commit on the base branch that added the file; in a shallow clone it
         // may be missing, and then the branch tip's version is what was published.
         let added = git(
