@@ -136,6 +136,81 @@ impl Route {
     }
 }
 
+impl Route {
+    /// A route that requires the token, takes no parameters, query or body, and cannot conflict.
+    const fn new(
+        method: Method,
+        path: &'static str,
+        operation: &'static str,
+        response: Response,
+    ) -> Self {
+        Self {
+            method,
+            path,
+            operation,
+            summary: "",
+            params: &[],
+            query: None,
+            body: None,
+            response,
+            auth: true,
+            conflicts: false,
+        }
+    }
+
+    const fn get(path: &'static str, operation: &'static str, response: Response) -> Self {
+        Self::new(Method::Get, path, operation, response)
+    }
+
+    const fn post(path: &'static str, operation: &'static str, response: Response) -> Self {
+        Self::new(Method::Post, path, operation, response)
+    }
+
+    const fn patch(path: &'static str, operation: &'static str, response: Response) -> Self {
+        Self::new(Method::Patch, path, operation, response)
+    }
+
+    const fn delete(path: &'static str, operation: &'static str, response: Response) -> Self {
+        Self::new(Method::Delete, path, operation, response)
+    }
+
+    const fn summary(mut self, summary: &'static str) -> Self {
+        self.summary = summary;
+        self
+    }
+
+    const fn params(mut self, params: &'static [Param]) -> Self {
+        self.params = params;
+        self
+    }
+
+    const fn query(mut self, query: Type) -> Self {
+        self.query = Some(query);
+        self
+    }
+
+    const fn body(mut self, body: Type) -> Self {
+        self.body = Some(body);
+        self
+    }
+
+    /// Served without the bearer token.
+    const fn public(mut self) -> Self {
+        self.auth = false;
+        self
+    }
+
+    /// Can answer 409 Conflict.
+    const fn conflicts(mut self) -> Self {
+        self.conflicts = true;
+        self
+    }
+}
+
+const fn json(status: u16, ty: Type) -> Response {
+    Response::Json { status, ty }
+}
+
 const SESSION: Param = Param {
     name: "id",
     ty: ty!(SessionId),
@@ -147,271 +222,123 @@ const REQUEST: Param = Param {
 
 /// Every route of the service, in the order of SPEC section 12.
 pub const ROUTES: &[Route] = &[
-    Route {
-        method: Method::Get,
-        path: "/api/health",
-        operation: "health",
-        summary: "Whether the server is up, and its version. Never requires a token.",
-        params: &[],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: ty!(Health),
-        },
-        auth: false,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Post,
-        path: "/api/session",
-        operation: "create_session",
-        summary: "Create a session. A directory that does not exist is a 400.",
-        params: &[],
-        query: None,
-        body: Some(ty!(CreateSession)),
-        response: Response::Json {
-            status: 201,
-            ty: ty!(Session),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Get,
-        path: "/api/session",
-        operation: "list_sessions",
-        summary: "List sessions, newest first, a page at a time.",
-        params: &[],
-        query: Some(ty!(ListSessionsQuery)),
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: ty!(SessionList),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Get,
-        path: "/api/session/{id}",
-        operation: "get_session",
-        summary: "Read a session.",
-        params: &[SESSION],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: ty!(Session),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Patch,
-        path: "/api/session/{id}",
-        operation: "update_session",
-        summary: "Rename a session, or switch its agent or model for later steps.",
-        params: &[SESSION],
-        query: None,
-        body: Some(ty!(UpdateSession)),
-        response: Response::Json {
-            status: 200,
-            ty: ty!(Session),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Delete,
-        path: "/api/session/{id}",
-        operation: "delete_session",
-        summary: "Delete a session. Its log is kept.",
-        params: &[SESSION],
-        query: None,
-        body: None,
-        response: Response::Empty { status: 204 },
-        auth: true,
-        conflicts: true,
-    },
-    Route {
-        method: Method::Get,
-        path: "/api/session/{id}/status",
-        operation: "session_status",
-        summary: "Whether the session is busy, its execution claim, and its pending inputs.",
-        params: &[SESSION],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: ty!(SessionStatus),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Post,
-        path: "/api/session/{id}/prompt",
-        operation: "prompt",
-        summary: "Admit a prompt. Same id and content returns the original (`replayed: true`); \
+    Route::get("/api/health", "health", json(200, ty!(Health)))
+        .summary("Whether the server is up, and its version. Never requires a token.")
+        .public(),
+    Route::post("/api/session", "create_session", json(201, ty!(Session)))
+        .summary("Create a session. A directory that does not exist is a 400.")
+        .body(ty!(CreateSession)),
+    Route::get("/api/session", "list_sessions", json(200, ty!(SessionList)))
+        .summary("List sessions, newest first, a page at a time.")
+        .query(ty!(ListSessionsQuery)),
+    Route::get("/api/session/{id}", "get_session", json(200, ty!(Session)))
+        .summary("Read a session.")
+        .params(&[SESSION]),
+    Route::patch(
+        "/api/session/{id}",
+        "update_session",
+        json(200, ty!(Session)),
+    )
+    .summary("Rename a session, or switch its agent or model for later steps.")
+    .params(&[SESSION])
+    .body(ty!(UpdateSession)),
+    Route::delete(
+        "/api/session/{id}",
+        "delete_session",
+        Response::Empty { status: 204 },
+    )
+    .summary("Delete a session. Its log is kept.")
+    .params(&[SESSION])
+    .conflicts(),
+    Route::get(
+        "/api/session/{id}/status",
+        "session_status",
+        json(200, ty!(SessionStatus)),
+    )
+    .summary("Whether the session is busy, its execution claim, and its pending inputs.")
+    .params(&[SESSION]),
+    Route::post(
+        "/api/session/{id}/prompt",
+        "prompt",
+        json(202, ty!(PromptResponse)),
+    )
+    .summary(
+        "Admit a prompt. Same id and content returns the original (`replayed: true`); \
                   same id with other content is a 409.",
-        params: &[SESSION],
-        query: None,
-        body: Some(ty!(PromptRequest)),
-        response: Response::Json {
-            status: 202,
-            ty: ty!(PromptResponse),
-        },
-        auth: true,
-        conflicts: true,
-    },
-    Route {
-        method: Method::Post,
-        path: "/api/session/{id}/interrupt",
-        operation: "interrupt",
-        summary: "Interrupt the running execution; returns before cleanup finishes.",
-        params: &[SESSION],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: ty!(InterruptResponse),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Post,
-        path: "/api/session/{id}/resume",
-        operation: "resume",
-        summary: "Start an execution, or join the running one.",
-        params: &[SESSION],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 202,
-            ty: ty!(SessionStatus),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Post,
-        path: "/api/session/{id}/compact",
-        operation: "compact",
-        summary: "Request a compaction of the session's history.",
-        params: &[SESSION],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 202,
-            ty: ty!(Accepted),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Post,
-        path: "/api/session/{id}/permission/{request_id}",
-        operation: "reply_permission",
-        summary: "Answer a permission request: once, always (for the session), or reject.",
-        params: &[SESSION, REQUEST],
-        query: None,
-        body: Some(ty!(PermissionReply)),
-        response: Response::Json {
-            status: 200,
-            ty: ty!(Accepted),
-        },
-        auth: true,
-        conflicts: true,
-    },
-    Route {
-        method: Method::Post,
-        path: "/api/session/{id}/question/{request_id}",
-        operation: "reply_question",
-        summary: "Answer or dismiss a question.",
-        params: &[SESSION, REQUEST],
-        query: None,
-        body: Some(ty!(QuestionReply)),
-        response: Response::Json {
-            status: 200,
-            ty: ty!(Accepted),
-        },
-        auth: true,
-        conflicts: true,
-    },
-    Route {
-        method: Method::Get,
-        path: "/api/session/{id}/messages",
-        operation: "messages",
-        summary: "The projected transcript.",
-        params: &[SESSION],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: ty!(MessageList),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Get,
-        path: "/api/session/{id}/log",
-        operation: "session_log",
-        summary: "The durable log as server-sent events: events after `after` (each with \
+    )
+    .params(&[SESSION])
+    .body(ty!(PromptRequest))
+    .conflicts(),
+    Route::post(
+        "/api/session/{id}/interrupt",
+        "interrupt",
+        json(200, ty!(InterruptResponse)),
+    )
+    .summary("Interrupt the running execution; returns before cleanup finishes.")
+    .params(&[SESSION]),
+    Route::post(
+        "/api/session/{id}/resume",
+        "resume",
+        json(202, ty!(SessionStatus)),
+    )
+    .summary("Start an execution, or join the running one.")
+    .params(&[SESSION]),
+    Route::post(
+        "/api/session/{id}/compact",
+        "compact",
+        json(202, ty!(Accepted)),
+    )
+    .summary("Request a compaction of the session's history.")
+    .params(&[SESSION]),
+    Route::post(
+        "/api/session/{id}/permission/{request_id}",
+        "reply_permission",
+        json(200, ty!(Accepted)),
+    )
+    .summary("Answer a permission request: once, always (for the session), or reject.")
+    .params(&[SESSION, REQUEST])
+    .body(ty!(PermissionReply))
+    .conflicts(),
+    Route::post(
+        "/api/session/{id}/question/{request_id}",
+        "reply_question",
+        json(200, ty!(Accepted)),
+    )
+    .summary("Answer or dismiss a question.")
+    .params(&[SESSION, REQUEST])
+    .body(ty!(QuestionReply))
+    .conflicts(),
+    Route::get(
+        "/api/session/{id}/messages",
+        "messages",
+        json(200, ty!(MessageList)),
+    )
+    .summary("The projected transcript.")
+    .params(&[SESSION]),
+    Route::get(
+        "/api/session/{id}/log",
+        "session_log",
+        Response::EventStream { item: ty!(LogItem) },
+    )
+    .summary(
+        "The durable log as server-sent events: events after `after` (each with \
                   `id:` = seq), one `synced` marker, then live events while `follow`. \
                   `Last-Event-ID` wins over `after`.",
-        params: &[SESSION],
-        query: Some(ty!(LogQuery)),
-        body: None,
-        response: Response::EventStream { item: ty!(LogItem) },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Get,
-        path: "/api/event",
-        operation: "events",
-        summary: "Live events of all sessions as server-sent events. A subscriber that falls \
-                  behind is sent `lagged` and disconnected.",
-        params: &[],
-        query: None,
-        body: None,
-        response: Response::EventStream {
+    )
+    .params(&[SESSION])
+    .query(ty!(LogQuery)),
+    Route::get(
+        "/api/event",
+        "events",
+        Response::EventStream {
             item: ty!(LiveItem),
         },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Get,
-        path: "/api/nodes",
-        operation: "nodes",
-        summary: "The live Keel processes sharing the database, with the sessions each owns.",
-        params: &[],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: ty!(NodeList),
-        },
-        auth: true,
-        conflicts: false,
-    },
-    Route {
-        method: Method::Get,
-        path: "/openapi.json",
-        operation: "openapi",
-        summary: "This contract.",
-        params: &[],
-        query: None,
-        body: None,
-        response: Response::Json {
-            status: 200,
-            ty: OPENAPI_DOCUMENT,
-        },
-        auth: true,
-        conflicts: false,
-    },
+    )
+    .summary(
+        "Live events of all sessions as server-sent events. A subscriber that falls \
+                  behind is sent `lagged` and disconnected.",
+    ),
+    Route::get("/api/nodes", "nodes", json(200, ty!(NodeList)))
+        .summary("The live Keel processes sharing the database, with the sessions each owns."),
+    Route::get("/openapi.json", "openapi", json(200, OPENAPI_DOCUMENT)).summary("This contract."),
 ];
