@@ -68,8 +68,8 @@ impl Client {
             .await
     }
 
-    /// `POST /api/session/{id}/compact`: Request a compaction of the session's history.
-    pub async fn compact(&self, id: SessionId) -> Result<Accepted, Error> {
+    /// `POST /api/session/{id}/compact`: Request a compaction of the session's history: admits a control input, promoted in admission order before any steering prompt admitted after it.
+    pub async fn compact(&self, id: SessionId) -> Result<PromptResponse, Error> {
         self.call_json(reqwest::Method::POST, format!("/api/session/{id}/compact"), None::<&()>, None::<&()>)
             .await
     }

@@ -286,9 +286,12 @@ pub const ROUTES: &[Route] = &[
     Route::post(
         "/api/session/{id}/compact",
         "compact",
-        json(202, ty!(Accepted)),
+        json(202, ty!(PromptResponse)),
     )
-    .summary("Request a compaction of the session's history.")
+    .summary(
+        "Request a compaction of the session's history: admits a control input, promoted \
+         in admission order before any steering prompt admitted after it.",
+    )
     .params(&[SESSION]),
     Route::post(
         "/api/session/{id}/permission/{request_id}",
