@@ -1,0 +1,269 @@
+//! The event log: one ordered, gapless sequence of durable events per session.
+//!
+//! [`append`] assigns each event the next `seq` of its session, an id and a time, runs the
+//! projector for it and inserts it, all inside the caller's transaction: events appended
+//! together commit together, and a projector error rolls them all back. The session row's
+//! `last_seq` is the counter; it is updated (locking the row on PostgreSQL) before any
+//! event is numbered, so concurrent appends to one session serialize.
+
+use diesel::prelude::*;
+use keel_schema::event::{DurableEvent, Envelope, RawEvent};
+use keel_schema::id::{EventId, SessionId};
+
+use super::projector;
+use crate::store::schema::{event, session};
+use crate::store::{Conn, Error, Store};
+
+/// Converts a seq or count to the database's integer.
+pub(crate) fn db_int(value: u64) -> Result<i64, Error> {
+    i64::try_from(value).map_err(|_| Error::Corrupt(format!("{value} does not fit a BIGINT")))
+}
+
+/// Converts a database integer back to a seq or count.
+pub(crate) fn from_db_int(value: i64) -> Result<u64, Error> {
+    u64::try_from(value).map_err(|_| Error::Corrupt(format!("negative seq or count {value}")))
+}
+
+/// Appends `events` to `session`'s log at time `now` and projects them.
+///
+/// A session's log begins with `session.next.created`, which creates it; any other first
+/// event needs the session to exist, and a deleted session takes no more events.
+pub fn append(
+    connection: &mut Conn,
+    now: i64,
+    session_id: SessionId,
+    events: Vec<DurableEvent>,
+) -> Result<Vec<Envelope>, Error> {
+    let Some(first) = events.first() else {
+        return Ok(Vec::new());
+    };
+    let creates = matches!(first, DurableEvent::Created(_));
+    let base = match lock_session(connection, session_id)? {
+        Some(_) if creates => return Err(Error::SessionExists(session_id)),
+        Some((_, Some(_deleted_at))) => return Err(Error::SessionDeleted(session_id)),
+        Some((last_seq, None)) => last_seq,
+        None if creates => 0,
+        None => return Err(Error::SessionNotFound(session_id)),
+    };
+    let mut appended = Vec::with_capacity(events.len());
+    for (offset, event) in (1u64..).zip(events) {
+        let envelope = Envelope {
+            id: EventId::new(),
+            session_id,
+            seq: base + offset,
+            time: now,
+            event,
+        };
+        apply(connection, &envelope)?;
+        appended.push(envelope);
+    }
+    let last = appended.last().map_or(base, |e| e.seq);
+    set_last_seq(connection, session_id, last, now)?;
+    Ok(appended)
+}
+
+/// Adds events that already have their id, seq and time (a replay or an import) to the
+/// log, projecting each. They must continue the session's log without a gap.
+pub fn import(connection: &mut Conn, envelopes: &[Envelope]) -> Result<(), Error> {
+    for envelope in envelopes {
+        let creates = matches!(envelope.event, DurableEvent::Created(_));
+        let expected = match lock_session(connection, envelope.session_id)? {
+            Some(_) if creates => return Err(Error::SessionExists(envelope.session_id)),
+            Some((_, Some(_))) => return Err(Error::SessionDeleted(envelope.session_id)),
+            Some((last_seq, None)) => last_seq + 1,
+            None if creates => 1,
+            None => return Err(Error::SessionNotFound(envelope.session_id)),
+        };
+        if envelope.seq != expected {
+            return Err(Error::Projection {
+                session: envelope.session_id,
+                key: key(&envelope.event),
+                reason: format!(
+                    "seq {} does not continue the log at {expected}",
+                    envelope.seq
+                ),
+            });
+        }
+        // Checked first: after a failed insert PostgreSQL refuses further statements.
+        if id_exists(connection, envelope.id)? {
+            return Err(Error::DuplicateEventId(envelope.id));
+        }
+        apply(connection, envelope)?;
+        set_last_seq(connection, envelope.session_id, envelope.seq, envelope.time)?;
+    }
+    Ok(())
+}
+
+fn key(event: &DurableEvent) -> String {
+    format!("{}.{}", event.type_name(), event.version())
+}
+
+/// Locks the session row (a no-op update takes the row lock on PostgreSQL; SQLite's write
+/// transaction is already exclusive) and returns its `last_seq` and `deleted_at`.
+fn lock_session(
+    connection: &mut Conn,
+    session_id: SessionId,
+) -> Result<Option<(u64, Option<i64>)>, Error> {
+    let id = session_id.to_string();
+    let locked = diesel::update(session::table.find(&id))
+        .set(session::last_seq.eq(session::last_seq))
+        .execute(connection)?;
+    if locked == 0 {
+        return Ok(None);
+    }
+    let (last_seq, deleted_at) = session::table
+        .find(&id)
+        .select((session::last_seq, session::deleted_at))
+        .first::<(i64, Option<i64>)>(connection)?;
+    Ok(Some((from_db_int(last_seq)?, deleted_at)))
+}
+
+fn set_last_seq(
+    connection: &mut Conn,
+    session_id: SessionId,
+    last_seq: u64,
+    time: i64,
+) -> Result<(), Error> {
+    diesel::update(session::table.find(session_id.to_string()))
+        .set((
+            session::last_seq.eq(db_int(last_seq)?),
+            session::time_updated.eq(time),
+        ))
+        .execute(connection)?;
+    Ok(())
+}
+
+/// Projects one event and inserts it.
+fn apply(connection: &mut Conn, envelope: &Envelope) -> Result<(), Error> {
+    projector::project(connection, envelope)?;
+    let raw = envelope.to_raw().map_err(|e| Error::Projection {
+        session: envelope.session_id,
+        key: key(&envelope.event),
+        reason: format!("the payload does not serialize: {e}"),
+    })?;
+    diesel::insert_into(event::table)
+        .values((
+            event::session_id.eq(raw.session_id.to_string()),
+            event::seq.eq(db_int(raw.seq)?),
+            event::id.eq(raw.id.to_string()),
+            event::type_name.eq(&raw.type_name),
+            event::version.eq(i32::try_from(raw.version).map_err(|_| {
+                Error::Corrupt(format!("event version {} is too large", raw.version))
+            })?),
+            event::data.eq(raw.data.to_string()),
+            event::time.eq(raw.time),
+        ))
+        .execute(connection)?;
+    Ok(())
+}
+
+fn id_exists(connection: &mut Conn, id: EventId) -> Result<bool, Error> {
+    let count: i64 = event::table
+        .filter(event::id.eq(id.to_string()))
+        .count()
+        .get_result(connection)?;
+    Ok(count > 0)
+}
+
+type EventRow = (String, i64, String, String, i32, String, i64);
+
+fn raw_from_row(row: EventRow) -> Result<RawEvent, Error> {
+    let (session_id, seq, id, type_name, version, data, time) = row;
+    let corrupt = |what: &str, e: &dyn std::fmt::Display| {
+        Error::Corrupt(format!("event {session_id}#{seq}: {what}: {e}"))
+    };
+    Ok(RawEvent {
+        id: id.parse().map_err(|e| corrupt("id", &e))?,
+        session_id: session_id.parse().map_err(|e| corrupt("session id", &e))?,
+        seq: from_db_int(seq)?,
+        type_name,
+        version: u32::try_from(version).map_err(|e| corrupt("version", &e))?,
+        time,
+        data: serde_json::from_str(&data).map_err(|e| corrupt("data is not JSON", &e))?,
+    })
+}
+
+/// The session's events with seq greater than `after`, at most `limit`, as stored.
+pub fn read_raw(
+    connection: &mut Conn,
+    session_id: SessionId,
+    after: u64,
+    limit: u32,
+) -> Result<Vec<RawEvent>, Error> {
+    let rows: Vec<EventRow> = event::table
+        .filter(event::session_id.eq(session_id.to_string()))
+        .filter(event::seq.gt(db_int(after)?))
+        .order(event::seq.asc())
+        .limit(i64::from(limit))
+        .select((
+            event::session_id,
+            event::seq,
+            event::id,
+            event::type_name,
+            event::version,
+            event::data,
+            event::time,
+        ))
+        .load(connection)?;
+    rows.into_iter().map(raw_from_row).collect()
+}
+
+/// The session's events with seq greater than `after`, at most `limit`, decoded into the
+/// latest shapes.
+pub fn read(
+    connection: &mut Conn,
+    session_id: SessionId,
+    after: u64,
+    limit: u32,
+) -> Result<Vec<Envelope>, Error> {
+    read_raw(connection, session_id, after, limit)?
+        .into_iter()
+        .map(|raw| {
+            let seq = raw.seq;
+            raw.decode().map_err(|source| Error::Decode {
+                session: session_id,
+                seq,
+                source,
+            })
+        })
+        .collect()
+}
+
+/// The seq of the session's latest event, or `None` if there is no such session.
+pub fn last_seq(connection: &mut Conn, session_id: SessionId) -> Result<Option<u64>, Error> {
+    session::table
+        .find(session_id.to_string())
+        .select(session::last_seq)
+        .first::<i64>(connection)
+        .optional()?
+        .map(from_db_int)
+        .transpose()
+}
+
+impl Store {
+    /// Appends events to a session's log (see [`append`]), stamped with the store's clock.
+    pub async fn append(
+        &self,
+        session_id: SessionId,
+        events: Vec<DurableEvent>,
+    ) -> Result<Vec<Envelope>, Error> {
+        let clock = self.clock().clone();
+        self.write(move |c| append(c, clock.now_ms(), session_id, events))
+            .await
+    }
+
+    /// Reads a session's events after `after` (see [`read`]).
+    pub async fn read_log(
+        &self,
+        session_id: SessionId,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<Envelope>, Error> {
+        self.read(move |c| read(c, session_id, after, limit)).await
+    }
+
+    /// The seq of a session's latest event, `None` for an unknown session.
+    pub async fn last_seq(&self, session_id: SessionId) -> Result<Option<u64>, Error> {
+        self.read(move |c| last_seq(c, session_id)).await
+    }
+}

@@ -1,0 +1,851 @@
+//! Projections: `session`, `session_message`, `session_tool` and `session_input` are pure
+//! functions of the log. [`project`] applies one event inside the appending transaction;
+//! an error rolls the event (and everything appended with it) back.
+//!
+//! Rules kept here:
+//! - A tool call is resolved exactly once: by its own `tool.success`/`tool.failed`, or by
+//!   the `step.interrupted`/`step.recovered` of its step, which fails every call of that
+//!   step still unresolved, in the same transaction.
+//! - Usage and cost totals of a session accumulate from `step.ended` and `step.failed`.
+//! - Nothing here reads the clock or generates ids: replaying the log reproduces every row.
+
+use diesel::prelude::*;
+use keel_schema::api::{AssistantPart, InputStatus, Message, StepEnd, ToolStatus};
+use keel_schema::event::{DurableEvent, Envelope, payload};
+use keel_schema::id::{CallId, InputId, MessageId, SessionId};
+use keel_schema::types::{Delivery, ErrorInfo, InputKind, InputSource, Part, ToolContent, Usage};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::log::{db_int, from_db_int};
+use crate::store::schema::{session, session_input, session_message, session_tool};
+use crate::store::{Conn, Error};
+
+/// Applies one event to the projections.
+pub fn project(connection: &mut Conn, envelope: &Envelope) -> Result<(), Error> {
+    let mut projection = Projection {
+        connection,
+        envelope,
+    };
+    projection.apply()
+}
+
+/// The error the model sees for a call its step's interruption left unresolved.
+pub fn interrupted_tool_error(reason: keel_schema::types::InterruptReason) -> ErrorInfo {
+    let reason = serde_json::to_value(reason)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    ErrorInfo::new(
+        "tool.interrupted",
+        format!("the step was interrupted ({reason}) before this tool call finished"),
+    )
+}
+
+/// The error the model sees for a call whose owner died while it ran.
+pub fn crashed_tool_error() -> ErrorInfo {
+    ErrorInfo::new(
+        "tool.interrupted-by-crash",
+        "Keel stopped while this tool call was running, and did not run it again. It may or \
+         may not have taken effect: check before repeating it.",
+    )
+}
+
+/// What `session_tool.output` holds for a completed or failed call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ToolOutput {
+    Success {
+        structured: Value,
+        content: Vec<ToolContent>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        result: Option<Value>,
+    },
+    Failure {
+        error: ErrorInfo,
+    },
+}
+
+struct Projection<'a> {
+    connection: &'a mut Conn,
+    envelope: &'a Envelope,
+}
+
+impl Projection<'_> {
+    fn session(&self) -> SessionId {
+        self.envelope.session_id
+    }
+
+    fn refuse(&self, reason: impl Into<String>) -> Error {
+        let event = &self.envelope.event;
+        Error::Projection {
+            session: self.session(),
+            key: format!("{}.{}", event.type_name(), event.version()),
+            reason: reason.into(),
+        }
+    }
+
+    fn seq(&self) -> Result<i64, Error> {
+        db_int(self.envelope.seq)
+    }
+
+    fn apply(&mut self) -> Result<(), Error> {
+        let envelope = self.envelope;
+        match &envelope.event {
+            DurableEvent::Created(e) => self.created(e),
+            DurableEvent::Renamed(e) => self.update_session(session::title.eq(Some(&e.title))),
+            DurableEvent::AgentSwitched(e) => self.update_session(session::agent.eq(&e.agent)),
+            DurableEvent::ModelSwitched(e) => self.update_session((
+                session::model_provider.eq(&e.model.provider),
+                session::model_id.eq(&e.model.id),
+            )),
+            DurableEvent::Deleted(_) => {
+                self.update_session(session::deleted_at.eq(Some(envelope.time)))
+            }
+            DurableEvent::PromptAdmitted(e) => self.admitted(e),
+            DurableEvent::PromptExecutionRequested(e) => self.execution_requested(e.input_id),
+            DurableEvent::PromptCancelled(e) => self.cancelled(e.input_id),
+            DurableEvent::Prompted(e) => self.prompted(e),
+            DurableEvent::Synthetic(e) => self.insert_message(
+                e.message_id,
+                &Message::Synthetic {
+                    id: e.message_id,
+                    seq: envelope.seq,
+                    text: e.text.clone(),
+                    reason: e.reason,
+                },
+            ),
+            // Claims live in `session_execution`, written by the execution module in the
+            // same transaction; the busy period itself leaves no projected row.
+            DurableEvent::ExecutionStarted(_) | DurableEvent::ExecutionSettled(_) => Ok(()),
+            DurableEvent::StepStarted(e) => self.insert_message(
+                e.assistant_message_id,
+                &Message::Assistant {
+                    id: e.assistant_message_id,
+                    seq: envelope.seq,
+                    step: e.step,
+                    agent: e.agent.clone(),
+                    model: e.model.clone(),
+                    parts: Vec::new(),
+                    end: None,
+                    usage: Usage::default(),
+                    cost: 0.0,
+                },
+            ),
+            DurableEvent::TextStarted(e) => self.open_part(
+                e.assistant_message_id,
+                AssistantPart::Text {
+                    ordinal: e.ordinal,
+                    text: String::new(),
+                },
+            ),
+            DurableEvent::TextEnded(e) => {
+                self.close_text(e.assistant_message_id, e.ordinal, &e.text)
+            }
+            DurableEvent::ReasoningStarted(e) => self.open_part(
+                e.assistant_message_id,
+                AssistantPart::Reasoning {
+                    ordinal: e.ordinal,
+                    text: String::new(),
+                    provider_metadata: e.provider_metadata.clone(),
+                },
+            ),
+            DurableEvent::ReasoningEnded(e) => self.close_reasoning(e),
+            DurableEvent::ToolInputStarted(e) => self.tool_input_started(e),
+            // The raw input text is kept in the log; the parsed input arrives with tool.called.
+            DurableEvent::ToolInputEnded(_) => Ok(()),
+            DurableEvent::ToolCalled(e) => self.tool_called(e),
+            DurableEvent::ToolSuccess(e) => self.resolve_tool(
+                e.call_id,
+                ToolOutput::Success {
+                    structured: e.structured.clone(),
+                    content: e.content.clone(),
+                    result: e.result.clone(),
+                },
+            ),
+            DurableEvent::ToolFailed(e) => self.resolve_tool(
+                e.call_id,
+                ToolOutput::Failure {
+                    error: e.error.clone(),
+                },
+            ),
+            // Permission requests and questions are read from the log by the runner that
+            // waits on them; they project into no table of this schema.
+            DurableEvent::PermissionRequested(_)
+            | DurableEvent::PermissionReplied(_)
+            | DurableEvent::QuestionAsked(_)
+            | DurableEvent::QuestionAnswered(_)
+            | DurableEvent::QuestionDismissed(_)
+            | DurableEvent::RetryScheduled(_) => Ok(()),
+            DurableEvent::StepEnded(e) => self.end_step(
+                e.assistant_message_id,
+                StepEnd::Ended { finish: e.finish },
+                Some(e.usage),
+                e.cost,
+                None,
+            ),
+            DurableEvent::StepFailed(e) => self.end_step(
+                e.assistant_message_id,
+                StepEnd::Failed {
+                    error: e.error.clone(),
+                },
+                e.usage,
+                0.0,
+                None,
+            ),
+            DurableEvent::StepInterrupted(e) => self.end_step(
+                e.assistant_message_id,
+                StepEnd::Interrupted { reason: e.reason },
+                None,
+                0.0,
+                Some(interrupted_tool_error(e.reason)),
+            ),
+            DurableEvent::StepRecovered(e) => self.end_step(
+                e.assistant_message_id,
+                StepEnd::Recovered {
+                    execution_id: e.execution_id,
+                },
+                None,
+                0.0,
+                Some(crashed_tool_error()),
+            ),
+            DurableEvent::CompactionStarted(e) => match e.input_id {
+                Some(input_id) => self.promote_control(input_id),
+                None => Ok(()),
+            },
+            DurableEvent::CompactionEnded(e) => {
+                // The summary's id derives from its event's id, so replay reproduces it.
+                let id = MessageId::from_ulid(envelope.id.ulid());
+                self.insert_message(
+                    id,
+                    &Message::Summary {
+                        seq: envelope.seq,
+                        boundary_seq: e.boundary_seq,
+                        summary: e.summary.clone(),
+                    },
+                )?;
+                self.add_usage(e.usage, 0.0)
+            }
+            DurableEvent::CompactionFailed(_) => Ok(()),
+        }
+    }
+
+    fn created(&mut self, e: &payload::Created) -> Result<(), Error> {
+        let time = self.envelope.time;
+        diesel::insert_into(session::table)
+            .values((
+                session::id.eq(self.session().to_string()),
+                session::title.eq(&e.title),
+                session::directory.eq(&e.directory),
+                session::agent.eq(&e.agent),
+                session::model_provider.eq(&e.model.provider),
+                session::model_id.eq(&e.model.id),
+                session::time_created.eq(time),
+                session::time_updated.eq(time),
+                session::last_seq.eq(0i64),
+                session::usage_input.eq(0i64),
+                session::usage_output.eq(0i64),
+                session::usage_reasoning.eq(0i64),
+                session::usage_cache_read.eq(0i64),
+                session::usage_cache_write.eq(0i64),
+                session::cost.eq(0.0),
+            ))
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    fn update_session<V>(&mut self, values: V) -> Result<(), Error>
+    where
+        V: diesel::AsChangeset<Target = session::table>,
+        diesel::dsl::Update<diesel::dsl::Find<session::table, String>, V>:
+            diesel::query_dsl::methods::ExecuteDsl<Conn>,
+    {
+        diesel::update(session::table.find(self.session().to_string()))
+            .set(values)
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    fn add_usage(&mut self, usage: Usage, cost: f64) -> Result<(), Error> {
+        diesel::update(session::table.find(self.session().to_string()))
+            .set((
+                session::usage_input.eq(session::usage_input + db_int(usage.input)?),
+                session::usage_output.eq(session::usage_output + db_int(usage.output)?),
+                session::usage_reasoning.eq(session::usage_reasoning + db_int(usage.reasoning)?),
+                session::usage_cache_read.eq(session::usage_cache_read + db_int(usage.cache_read)?),
+                session::usage_cache_write
+                    .eq(session::usage_cache_write + db_int(usage.cache_write)?),
+                session::cost.eq(session::cost + cost),
+            ))
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    // --- inputs -------------------------------------------------------------------------
+
+    fn admitted(&mut self, e: &payload::PromptAdmitted) -> Result<(), Error> {
+        let parts = serde_json::to_string(&e.parts)
+            .map_err(|err| self.refuse(format!("parts do not serialize: {err}")))?;
+        diesel::insert_into(session_input::table)
+            .values((
+                session_input::id.eq(e.input_id.to_string()),
+                session_input::session_id.eq(self.session().to_string()),
+                session_input::kind.eq(text_of(&e.kind)),
+                session_input::delivery.eq(text_of(&e.delivery)),
+                session_input::parts.eq(parts),
+                session_input::source.eq(text_of(&e.source)),
+                session_input::request_execution.eq(e.request_execution),
+                session_input::admitted_seq.eq(self.seq()?),
+                session_input::execution_requested.eq(false),
+            ))
+            .execute(self.connection)
+            .map_err(|err| match err {
+                diesel::result::Error::DatabaseError(
+                    diesel::result::DatabaseErrorKind::UniqueViolation,
+                    _,
+                ) => self.refuse(format!("input {} was already admitted", e.input_id)),
+                other => other.into(),
+            })?;
+        Ok(())
+    }
+
+    /// The input, which must belong to this session and still be pending.
+    fn pending_input(&mut self, input_id: InputId) -> Result<InputRow, Error> {
+        let row = InputRow::find(self.connection, input_id)?
+            .filter(|row| row.session_id == self.session().to_string())
+            .ok_or_else(|| self.refuse(format!("no input {input_id} in this session")))?;
+        match row.status() {
+            InputStatus::Pending => Ok(row),
+            status => Err(self.refuse(format!("input {input_id} is {status:?}, not pending"))),
+        }
+    }
+
+    fn execution_requested(&mut self, input_id: InputId) -> Result<(), Error> {
+        let row = InputRow::find(self.connection, input_id)?
+            .filter(|row| row.session_id == self.session().to_string())
+            .ok_or_else(|| self.refuse(format!("no input {input_id} in this session")))?;
+        diesel::update(session_input::table.find(row.id))
+            .set(session_input::execution_requested.eq(true))
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    fn cancelled(&mut self, input_id: InputId) -> Result<(), Error> {
+        let row = self.pending_input(input_id)?;
+        diesel::update(session_input::table.find(row.id))
+            .set(session_input::cancelled_seq.eq(Some(self.seq()?)))
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    fn prompted(&mut self, e: &payload::Prompted) -> Result<(), Error> {
+        let row = self.pending_input(e.input_id)?;
+        if row.kind()? != InputKind::Prompt {
+            return Err(self.refuse(format!(
+                "input {} is a control input; it is promoted by what it controls",
+                e.input_id
+            )));
+        }
+        let parts: Vec<Part> = serde_json::from_str(&row.parts)
+            .map_err(|err| Error::Corrupt(format!("input {} parts: {err}", e.input_id)))?;
+        diesel::update(session_input::table.find(&row.id))
+            .set((
+                session_input::promoted_seq.eq(Some(self.seq()?)),
+                session_input::message_id.eq(Some(e.message_id.to_string())),
+            ))
+            .execute(self.connection)?;
+        self.insert_message(
+            e.message_id,
+            &Message::User {
+                id: e.message_id,
+                seq: self.envelope.seq,
+                input_id: e.input_id,
+                parts,
+            },
+        )
+    }
+
+    fn promote_control(&mut self, input_id: InputId) -> Result<(), Error> {
+        let row = self.pending_input(input_id)?;
+        if !row.kind()?.is_control() {
+            return Err(self.refuse(format!("input {input_id} is a prompt, not a control input")));
+        }
+        diesel::update(session_input::table.find(&row.id))
+            .set(session_input::promoted_seq.eq(Some(self.seq()?)))
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    // --- messages -----------------------------------------------------------------------
+
+    fn insert_message(&mut self, id: MessageId, message: &Message) -> Result<(), Error> {
+        let role = match message {
+            Message::User { .. } => "user",
+            Message::Assistant { .. } => "assistant",
+            Message::Synthetic { .. } => "synthetic",
+            Message::Summary { .. } => "summary",
+        };
+        let data = serde_json::to_string(message)
+            .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
+        diesel::insert_into(session_message::table)
+            .values((
+                session_message::id.eq(id.to_string()),
+                session_message::session_id.eq(self.session().to_string()),
+                session_message::seq.eq(self.seq()?),
+                session_message::role.eq(role),
+                session_message::data.eq(data),
+            ))
+            .execute(self.connection)
+            .map_err(|err| match err {
+                diesel::result::Error::DatabaseError(
+                    diesel::result::DatabaseErrorKind::UniqueViolation,
+                    _,
+                ) => self.refuse(format!("message {id} already exists")),
+                other => other.into(),
+            })?;
+        Ok(())
+    }
+
+    /// Loads this session's assistant message `id`, lets `change` edit it, and stores it.
+    fn edit_assistant<T>(
+        &mut self,
+        id: MessageId,
+        change: impl FnOnce(&mut AssistantView<'_>) -> Result<T, String>,
+    ) -> Result<T, Error> {
+        let row: Option<(String, String)> = session_message::table
+            .find(id.to_string())
+            .select((session_message::session_id, session_message::data))
+            .first(self.connection)
+            .optional()?;
+        let Some((owner, data)) = row else {
+            return Err(self.refuse(format!("no message {id}")));
+        };
+        if owner != self.session().to_string() {
+            return Err(self.refuse(format!("message {id} belongs to another session")));
+        }
+        let mut message: Message = serde_json::from_str(&data)
+            .map_err(|err| Error::Corrupt(format!("message {id}: {err}")))?;
+        let Message::Assistant {
+            parts,
+            end,
+            usage,
+            cost,
+            ..
+        } = &mut message
+        else {
+            return Err(self.refuse(format!("message {id} is not an assistant message")));
+        };
+        let mut view = AssistantView {
+            parts,
+            end,
+            usage,
+            cost,
+        };
+        let value = change(&mut view).map_err(|reason| self.refuse(reason))?;
+        let data = serde_json::to_string(&message)
+            .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
+        diesel::update(session_message::table.find(id.to_string()))
+            .set(session_message::data.eq(data))
+            .execute(self.connection)?;
+        Ok(value)
+    }
+
+    fn open_part(&mut self, id: MessageId, part: AssistantPart) -> Result<(), Error> {
+        self.edit_assistant(id, |view| {
+            view.require_open()?;
+            let duplicate = view.parts.iter().any(|p| same_part(p, &part));
+            if duplicate {
+                return Err("the fragment is already open".into());
+            }
+            view.parts.push(part);
+            Ok(())
+        })
+    }
+
+    fn close_text(&mut self, id: MessageId, ordinal: u32, text: &str) -> Result<(), Error> {
+        self.edit_assistant(id, |view| {
+            view.require_open()?;
+            match view
+                .parts
+                .iter_mut()
+                .find(|p| matches!(p, AssistantPart::Text { ordinal: o, .. } if *o == ordinal))
+            {
+                Some(AssistantPart::Text { text: t, .. }) => {
+                    *t = text.to_owned();
+                    Ok(())
+                }
+                _ => Err(format!("no open text fragment {ordinal}")),
+            }
+        })
+    }
+
+    fn close_reasoning(&mut self, e: &payload::ReasoningEnded) -> Result<(), Error> {
+        self.edit_assistant(e.assistant_message_id, |view| {
+            view.require_open()?;
+            match view.parts.iter_mut().find(
+                |p| matches!(p, AssistantPart::Reasoning { ordinal: o, .. } if *o == e.ordinal),
+            ) {
+                Some(AssistantPart::Reasoning {
+                    text,
+                    provider_metadata,
+                    ..
+                }) => {
+                    *text = e.text.clone();
+                    if e.provider_metadata.is_some() {
+                        *provider_metadata = e.provider_metadata.clone();
+                    }
+                    Ok(())
+                }
+                _ => Err(format!("no open reasoning fragment {}", e.ordinal)),
+            }
+        })
+    }
+
+    // --- tools --------------------------------------------------------------------------
+
+    fn tool_input_started(&mut self, e: &payload::ToolInputStarted) -> Result<(), Error> {
+        self.open_part(
+            e.assistant_message_id,
+            AssistantPart::Tool {
+                call_id: e.call_id,
+                name: e.name.clone(),
+                input: Value::Null,
+                effect: keel_schema::types::Effect::Read,
+                provider_executed: false,
+                status: ToolStatus::Pending,
+                content: Vec::new(),
+                error: None,
+            },
+        )?;
+        diesel::insert_into(session_tool::table)
+            .values((
+                session_tool::session_id.eq(self.session().to_string()),
+                session_tool::call_id.eq(e.call_id.to_string()),
+                session_tool::message_id.eq(e.assistant_message_id.to_string()),
+                session_tool::name.eq(&e.name),
+                session_tool::status.eq("pending"),
+                session_tool::provider_executed.eq(false),
+            ))
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    fn tool_called(&mut self, e: &payload::ToolCalled) -> Result<(), Error> {
+        let call_id = e.call_id;
+        let existing = self.tool_row(call_id)?;
+        let streamed = match &existing {
+            None => false,
+            Some(row) if row.status == "pending" => {
+                if row.message_id != e.assistant_message_id.to_string() {
+                    return Err(self.refuse(format!(
+                        "tool call {call_id} was started by another message"
+                    )));
+                }
+                true
+            }
+            Some(_) => return Err(self.refuse(format!("tool call {call_id} was already called"))),
+        };
+        let input = e.input.clone();
+        let (name, effect, provider_executed) = (e.name.clone(), e.effect, e.provider_executed);
+        self.edit_assistant(e.assistant_message_id, |view| {
+            view.require_open()?;
+            let called = AssistantPart::Tool {
+                call_id,
+                name,
+                input,
+                effect,
+                provider_executed,
+                status: ToolStatus::Running,
+                content: Vec::new(),
+                error: None,
+            };
+            match view.tool_part(call_id) {
+                Some(part) if streamed => *part = called,
+                Some(_) => return Err(format!("tool call {call_id} is already in the message")),
+                None if streamed => {
+                    return Err(format!("tool call {call_id} is not in the message"));
+                }
+                None => view.parts.push(called),
+            }
+            Ok(())
+        })?;
+        let input_text = e.input.to_string();
+        if streamed {
+            diesel::update(
+                session_tool::table.find((self.session().to_string(), call_id.to_string())),
+            )
+            .set((
+                session_tool::name.eq(&e.name),
+                session_tool::effect.eq(Some(text_of(&e.effect))),
+                session_tool::status.eq("running"),
+                session_tool::provider_executed.eq(e.provider_executed),
+                session_tool::input.eq(Some(input_text)),
+            ))
+            .execute(self.connection)?;
+        } else {
+            diesel::insert_into(session_tool::table)
+                .values((
+                    session_tool::session_id.eq(self.session().to_string()),
+                    session_tool::call_id.eq(call_id.to_string()),
+                    session_tool::message_id.eq(e.assistant_message_id.to_string()),
+                    session_tool::name.eq(&e.name),
+                    session_tool::effect.eq(Some(text_of(&e.effect))),
+                    session_tool::status.eq("running"),
+                    session_tool::provider_executed.eq(e.provider_executed),
+                    session_tool::input.eq(Some(input_text)),
+                ))
+                .execute(self.connection)?;
+        }
+        Ok(())
+    }
+
+    fn tool_row(&mut self, call_id: CallId) -> Result<Option<ToolRow>, Error> {
+        Ok(session_tool::table
+            .find((self.session().to_string(), call_id.to_string()))
+            .select((session_tool::message_id, session_tool::status))
+            .first::<(String, String)>(self.connection)
+            .optional()?
+            .map(|(message_id, status)| ToolRow { message_id, status }))
+    }
+
+    fn resolve_tool(&mut self, call_id: CallId, output: ToolOutput) -> Result<(), Error> {
+        let Some(row) = self.tool_row(call_id)? else {
+            return Err(self.refuse(format!("no tool call {call_id}")));
+        };
+        if matches!(row.status.as_str(), "completed" | "error") {
+            return Err(self.refuse(format!("tool call {call_id} is already resolved")));
+        }
+        let message_id: MessageId = row
+            .message_id
+            .parse()
+            .map_err(|err| Error::Corrupt(format!("tool call {call_id} message: {err}")))?;
+        let status = match output {
+            ToolOutput::Success { .. } => "completed",
+            ToolOutput::Failure { .. } => "error",
+        };
+        let written = serde_json::to_string(&output)
+            .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;
+        self.edit_assistant(message_id, |view| {
+            let part = view
+                .tool_part(call_id)
+                .ok_or_else(|| format!("tool call {call_id} is not in its message"))?;
+            if let AssistantPart::Tool {
+                status,
+                content,
+                error,
+                ..
+            } = part
+            {
+                match output {
+                    ToolOutput::Success { content: c, .. } => {
+                        *status = ToolStatus::Completed;
+                        *content = c;
+                    }
+                    ToolOutput::Failure { error: e } => {
+                        *status = ToolStatus::Error;
+                        *error = Some(e);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        diesel::update(session_tool::table.find((self.session().to_string(), call_id.to_string())))
+            .set((
+                session_tool::status.eq(status),
+                session_tool::output.eq(Some(written)),
+            ))
+            .execute(self.connection)?;
+        Ok(())
+    }
+
+    // --- steps --------------------------------------------------------------------------
+
+    /// Settles a step. `unresolved` is the error for every call of the step still
+    /// unresolved; `None` requires there to be none.
+    fn end_step(
+        &mut self,
+        id: MessageId,
+        end: StepEnd,
+        usage: Option<Usage>,
+        cost: f64,
+        unresolved: Option<ErrorInfo>,
+    ) -> Result<(), Error> {
+        let failed: Vec<CallId> = self.edit_assistant(id, |view| {
+            view.require_open()?;
+            let mut failed = Vec::new();
+            for part in view.parts.iter_mut() {
+                if let AssistantPart::Tool {
+                    call_id,
+                    status,
+                    error,
+                    ..
+                } = part
+                    && matches!(status, ToolStatus::Pending | ToolStatus::Running)
+                {
+                    let Some(reason) = &unresolved else {
+                        return Err(format!(
+                            "tool call {call_id} is unresolved; a step ends only after its tools"
+                        ));
+                    };
+                    *status = ToolStatus::Error;
+                    *error = Some(reason.clone());
+                    failed.push(*call_id);
+                }
+            }
+            *view.end = Some(end);
+            if let Some(usage) = usage {
+                *view.usage = usage;
+            }
+            *view.cost = cost;
+            Ok(failed)
+        })?;
+        if let Some(reason) = unresolved {
+            let output = serde_json::to_string(&ToolOutput::Failure { error: reason })
+                .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;
+            for call_id in failed {
+                diesel::update(
+                    session_tool::table.find((self.session().to_string(), call_id.to_string())),
+                )
+                .set((
+                    session_tool::status.eq("error"),
+                    session_tool::output.eq(Some(&output)),
+                ))
+                .execute(self.connection)?;
+            }
+        }
+        match usage {
+            Some(usage) => self.add_usage(usage, cost),
+            None if cost != 0.0 => self.add_usage(Usage::default(), cost),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The editable parts of an assistant message.
+struct AssistantView<'a> {
+    parts: &'a mut Vec<AssistantPart>,
+    end: &'a mut Option<StepEnd>,
+    usage: &'a mut Usage,
+    cost: &'a mut f64,
+}
+
+impl AssistantView<'_> {
+    fn require_open(&self) -> Result<(), String> {
+        match self.end {
+            None => Ok(()),
+            Some(_) => Err("the step has already ended".into()),
+        }
+    }
+
+    fn tool_part(&mut self, call_id: CallId) -> Option<&mut AssistantPart> {
+        self.parts
+            .iter_mut()
+            .find(|p| matches!(p, AssistantPart::Tool { call_id: c, .. } if *c == call_id))
+    }
+}
+
+/// Whether two parts are the same fragment (same kind and ordinal, or the same call).
+fn same_part(a: &AssistantPart, b: &AssistantPart) -> bool {
+    match (a, b) {
+        (AssistantPart::Text { ordinal: x, .. }, AssistantPart::Text { ordinal: y, .. })
+        | (
+            AssistantPart::Reasoning { ordinal: x, .. },
+            AssistantPart::Reasoning { ordinal: y, .. },
+        ) => x == y,
+        (AssistantPart::Tool { call_id: x, .. }, AssistantPart::Tool { call_id: y, .. }) => x == y,
+        _ => false,
+    }
+}
+
+struct ToolRow {
+    message_id: String,
+    status: String,
+}
+
+/// The text form of a unit enum (`"steer"`, `"prompt"` …), as stored in CHECKed columns.
+pub(crate) fn text_of<T: Serialize>(value: &T) -> String {
+    match serde_json::to_value(value) {
+        Ok(Value::String(text)) => text,
+        // Every type passed here is a unit enum with snake_case names.
+        other => panic!("text_of takes unit enums, got {other:?}"),
+    }
+}
+
+/// Parses a unit enum from its stored text form.
+pub(crate) fn parse_text<T: for<'de> Deserialize<'de>>(
+    column: &str,
+    text: &str,
+) -> Result<T, Error> {
+    serde_json::from_value(Value::String(text.to_owned()))
+        .map_err(|e| Error::Corrupt(format!("{column} `{text}`: {e}")))
+}
+
+/// A row of `session_input`.
+#[derive(Debug, Clone, PartialEq, Queryable, Selectable)]
+#[diesel(table_name = session_input)]
+pub struct InputRow {
+    pub id: String,
+    pub session_id: String,
+    pub kind: String,
+    pub delivery: String,
+    pub parts: String,
+    pub source: String,
+    pub request_execution: bool,
+    pub admitted_seq: i64,
+    pub execution_requested: bool,
+    pub promoted_seq: Option<i64>,
+    pub message_id: Option<String>,
+    pub cancelled_seq: Option<i64>,
+}
+
+impl InputRow {
+    pub fn find(connection: &mut Conn, id: InputId) -> Result<Option<Self>, Error> {
+        Ok(session_input::table
+            .find(id.to_string())
+            .select(Self::as_select())
+            .first(connection)
+            .optional()?)
+    }
+
+    pub fn status(&self) -> InputStatus {
+        match (self.promoted_seq, self.cancelled_seq) {
+            (Some(_), _) => InputStatus::Promoted,
+            (None, Some(_)) => InputStatus::Cancelled,
+            (None, None) => InputStatus::Pending,
+        }
+    }
+
+    pub fn kind(&self) -> Result<InputKind, Error> {
+        parse_text("session_input.kind", &self.kind)
+    }
+
+    pub fn delivery(&self) -> Result<Delivery, Error> {
+        parse_text("session_input.delivery", &self.delivery)
+    }
+
+    pub fn source(&self) -> Result<InputSource, Error> {
+        parse_text("session_input.source", &self.source)
+    }
+
+    /// The API view of the input.
+    pub fn to_api(&self) -> Result<keel_schema::api::Input, Error> {
+        let corrupt = |what: &str, e: &dyn std::fmt::Display| {
+            Error::Corrupt(format!("input {} {what}: {e}", self.id))
+        };
+        Ok(keel_schema::api::Input {
+            id: self.id.parse().map_err(|e| corrupt("id", &e))?,
+            session_id: self
+                .session_id
+                .parse()
+                .map_err(|e| corrupt("session", &e))?,
+            kind: self.kind()?,
+            delivery: self.delivery()?,
+            parts: serde_json::from_str(&self.parts).map_err(|e| corrupt("parts", &e))?,
+            source: self.source()?,
+            request_execution: self.request_execution,
+            status: self.status(),
+            admitted_seq: from_db_int(self.admitted_seq)?,
+            promoted_seq: self.promoted_seq.map(from_db_int).transpose()?,
+        })
+    }
+}

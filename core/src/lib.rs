@@ -1,0 +1,11 @@
+//! keel-core: Keel's engine.
+//!
+//! - [`store`]: the database (SQLite or PostgreSQL), migrations, group-committed writes.
+//! - [`event`]: the event log and the projections built from it.
+//! - [`inbox`]: admission of inputs and their promotion into the transcript.
+//! - [`clock`]: injectable time.
+
+pub mod clock;
+pub mod event;
+pub mod inbox;
+pub mod store;

@@ -1,0 +1,96 @@
+//! Connections: one type for both backends, opened with Keel's settings.
+
+use diesel::connection::SimpleConnection;
+use diesel::r2d2::ManageConnection;
+use diesel::{Connection, PgConnection, SqliteConnection};
+
+use super::{DbUrl, Error};
+
+/// A connection to either backend. Queries written against it run on both.
+#[derive(diesel::MultiConnection)]
+pub enum Conn {
+    Sqlite(SqliteConnection),
+    Pg(PgConnection),
+}
+
+/// SQLite's `synchronous` pragma.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synchronous {
+    Normal,
+    Full,
+}
+
+/// Everything needed to open a connection.
+#[derive(Debug, Clone)]
+pub(super) struct Settings {
+    pub url: DbUrl,
+    pub synchronous: Synchronous,
+    pub busy_timeout_ms: u32,
+}
+
+impl Settings {
+    /// Opens a connection, choosing the backend from the URL so the user sees the real
+    /// cause of a failure (diesel's generic establish hides it).
+    pub fn establish(&self) -> Result<Conn, Error> {
+        let failed = |message: String| Error::Connect {
+            url: self.url.to_string(),
+            message,
+        };
+        match &self.url {
+            DbUrl::Sqlite(path) => {
+                let text = path
+                    .to_str()
+                    .ok_or_else(|| failed("the path is not valid UTF-8".into()))?;
+                let mut connection =
+                    SqliteConnection::establish(text).map_err(|e| failed(e.to_string()))?;
+                let synchronous = match self.synchronous {
+                    Synchronous::Normal => "NORMAL",
+                    Synchronous::Full => "FULL",
+                };
+                connection
+                    .batch_execute(&format!(
+                        "PRAGMA busy_timeout = {}; PRAGMA foreign_keys = ON; \
+                         PRAGMA synchronous = {synchronous};",
+                        self.busy_timeout_ms
+                    ))
+                    .map_err(|e| failed(format!("setting connection options: {e}")))?;
+                Ok(Conn::Sqlite(connection))
+            }
+            DbUrl::Postgres(url) => PgConnection::establish(url)
+                .map(Conn::Pg)
+                .map_err(|e| failed(e.to_string().trim_end().to_owned())),
+        }
+    }
+}
+
+/// Switches a SQLite database to write-ahead logging (persistent, so once suffices).
+pub(super) fn enable_wal(connection: &mut Conn, url: &DbUrl) -> Result<(), Error> {
+    connection
+        .batch_execute("PRAGMA journal_mode = WAL;")
+        .map_err(|e| Error::Connect {
+            url: url.to_string(),
+            message: format!("enabling write-ahead logging: {e}"),
+        })
+}
+
+/// Opens pooled read connections with the same settings as the writer's.
+#[derive(Debug)]
+pub(super) struct Manager(pub Settings);
+
+impl ManageConnection for Manager {
+    type Connection = Conn;
+    type Error = Error;
+
+    fn connect(&self) -> Result<Conn, Error> {
+        self.0.establish()
+    }
+
+    fn is_valid(&self, connection: &mut Conn) -> Result<(), Error> {
+        connection.batch_execute("SELECT 1").map_err(Error::from)
+    }
+
+    fn has_broken(&self, connection: &mut Conn) -> bool {
+        use diesel::connection::TransactionManager;
+        <Conn as Connection>::TransactionManager::is_broken_transaction_manager(connection)
+    }
+}

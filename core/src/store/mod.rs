@@ -1,0 +1,254 @@
+//! The store: Keel's database, on SQLite (embedded, the default) or PostgreSQL.
+//!
+//! It owns the connection handling and nothing of the domain: the event log and its
+//! projections live in [`crate::event`], the inbox in [`crate::inbox`]. They are written as
+//! plain synchronous functions over a [`Conn`], which compose into one transaction, and
+//! run through [`Store::write`] or [`Store::read`].
+//!
+//! Invariants:
+//! - Blocking database work never runs on the async runtime's threads: writes run on one
+//!   writer thread per store, reads on `spawn_blocking` with a pooled connection.
+//! - Writes are group-committed: the writer takes every write waiting (up to a batch
+//!   limit), runs each in its own savepoint inside one transaction, and commits once.
+//!   Writes run in submission order, so one session's events are never reordered, and a
+//!   failing write rolls back alone. A caller hears of its write only after the commit.
+//! - Migrations are embedded and run on open, under a lock, so two processes opening a
+//!   new database at once do not both migrate; a database migrated by a newer Keel is
+//!   refused.
+
+mod conn;
+mod migrate;
+pub mod schema;
+mod url;
+mod writer;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use diesel::r2d2::Pool;
+use keel_schema::event::DecodeError;
+use keel_schema::id::{EventId, SessionId};
+
+pub use conn::{Conn, Synchronous};
+pub use url::DbUrl;
+
+use crate::clock::{SharedClock, SystemClock};
+
+/// What can go wrong in the store.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "`{0}` is not a database URL: use sqlite://PATH (e.g. sqlite://keel.db) or \
+         postgres://user@host:port/db"
+    )]
+    BadUrl(String),
+    #[error("could not open the database at {url}: {message}")]
+    Connect { url: String, message: String },
+    #[error(
+        "the database at {url} was migrated by a newer keel (it has schema migration {version}, \
+         and this keel knows migrations up to {newest}): upgrade keel to open it"
+    )]
+    NewerSchema {
+        url: String,
+        version: String,
+        newest: String,
+    },
+    #[error("migrating the database at {url} failed: {message}")]
+    Migration { url: String, message: String },
+    #[error("database error: {0}")]
+    Database(#[from] diesel::result::Error),
+    #[error("the read pool has no connection to give: {0}")]
+    Pool(String),
+    #[error("the write was not committed: {0}")]
+    CommitFailed(String),
+    #[error("the store's writer stopped before the write was made")]
+    WriterGone,
+    #[error("no session {0}")]
+    SessionNotFound(SessionId),
+    #[error("session {0} already exists")]
+    SessionExists(SessionId),
+    #[error("session {0} is deleted; its log takes no more events")]
+    SessionDeleted(SessionId),
+    #[error("event id {0} is already in the log")]
+    DuplicateEventId(EventId),
+    #[error("event {key} cannot be applied to session {session}: {reason}")]
+    Projection {
+        session: SessionId,
+        key: String,
+        reason: String,
+    },
+    #[error("event {seq} of session {session} cannot be read: {source}")]
+    Decode {
+        session: SessionId,
+        seq: u64,
+        #[source]
+        source: DecodeError,
+    },
+    #[error("a stored row is not what Keel writes: {0}")]
+    Corrupt(String),
+}
+
+/// How to open a store.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// SQLite's `synchronous` setting. `Full` (the default) survives power loss;
+    /// `Normal` survives a killed process but may lose the last commits on power loss.
+    pub synchronous: Synchronous,
+    /// How long a SQLite connection waits for a lock before failing, in milliseconds.
+    pub busy_timeout_ms: u32,
+    /// Connections for reads.
+    pub read_connections: u32,
+    /// The most writes committed in one transaction.
+    pub max_batch: usize,
+    /// Time for event stamps.
+    pub clock: SharedClock,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            synchronous: Synchronous::Full,
+            busy_timeout_ms: 5_000,
+            read_connections: 4,
+            max_batch: 256,
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+/// Counters of the writer's work, for benchmarks and logs.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Transactions committed (or attempted).
+    pub batches: AtomicU64,
+    /// Writes run inside them.
+    pub writes: AtomicU64,
+}
+
+/// A handle to an open store. Cheap to clone; the writer stops when the last handle goes.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    url: DbUrl,
+    clock: SharedClock,
+    writer: writer::Handle,
+    readers: Pool<conn::Manager>,
+    stats: Arc<Stats>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("url", &self.inner.url)
+            .finish()
+    }
+}
+
+impl Store {
+    /// Opens (creating and migrating as needed) the database at `url`.
+    pub async fn open(url: DbUrl, options: Options) -> Result<Self, Error> {
+        let shown = url.to_string();
+        tokio::task::spawn_blocking(move || Self::open_blocking(url, options))
+            .await
+            .map_err(|e| Error::Connect {
+                url: shown,
+                message: format!("the opening task failed: {e}"),
+            })?
+    }
+
+    fn open_blocking(url: DbUrl, options: Options) -> Result<Self, Error> {
+        let settings = conn::Settings {
+            url: url.clone(),
+            synchronous: options.synchronous,
+            busy_timeout_ms: options.busy_timeout_ms,
+        };
+        let mut connection = settings.establish()?;
+        if let Conn::Sqlite(_) = connection {
+            conn::enable_wal(&mut connection, &url)?;
+        }
+        migrate::run(&mut connection, &url)?;
+        let readers = Pool::builder()
+            .max_size(options.read_connections.max(1))
+            .min_idle(Some(1))
+            .build(conn::Manager(settings.clone()))
+            .map_err(|e| Error::Connect {
+                url: url.to_string(),
+                message: e.to_string(),
+            })?;
+        let stats = Arc::new(Stats::default());
+        let writer = writer::spawn(connection, settings, options.max_batch, stats.clone())?;
+        tracing::info!(%url, "store open");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                url,
+                clock: options.clock,
+                writer,
+                readers,
+                stats,
+            }),
+        })
+    }
+
+    /// The database this store uses.
+    pub fn url(&self) -> &DbUrl {
+        &self.inner.url
+    }
+
+    /// The store's clock.
+    pub fn clock(&self) -> &SharedClock {
+        &self.inner.clock
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> (u64, u64) {
+        (
+            self.inner.stats.batches.load(Ordering::Relaxed),
+            self.inner.stats.writes.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Runs `write` on the writer thread, in its own savepoint of a group-committed
+    /// transaction. An `Err` rolls back this write alone. Resolves after the commit.
+    pub async fn write<T, E, F>(&self, write: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + From<diesel::result::Error> + Send + 'static,
+        F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
+    {
+        self.inner.writer.submit(write).await
+    }
+
+    /// Runs `read` on a pooled connection off the async runtime's threads.
+    pub async fn read<T, E, F>(&self, read: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+        F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
+    {
+        let pool = self.inner.readers.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut connection = pool.get().map_err(|e| Error::Pool(e.to_string()))?;
+            read(&mut connection)
+        })
+        .await
+        .map_err(|e| E::from(Error::Pool(format!("the read task failed: {e}"))))?
+    }
+
+    /// Runs `read` on the calling thread with a pooled connection. For code that is
+    /// already off the async runtime (tests, tools, replay).
+    pub fn read_blocking<T, E, F>(&self, read: F) -> Result<T, E>
+    where
+        E: From<Error>,
+        F: FnOnce(&mut Conn) -> Result<T, E>,
+    {
+        let mut connection = self
+            .inner
+            .readers
+            .get()
+            .map_err(|e| Error::Pool(e.to_string()))?;
+        read(&mut connection)
+    }
+}

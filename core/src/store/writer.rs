@@ -1,0 +1,231 @@
+//! The writer thread: group commit.
+//!
+//! Writes arrive on a bounded channel. The thread takes the first, then every write
+//! already waiting (up to the batch limit), begins one transaction (`BEGIN IMMEDIATE` on
+//! SQLite, so it never fails to upgrade a read lock), runs each write in its own savepoint,
+//! commits, and only then tells each caller its result. A write whose closure fails rolls
+//! back to its savepoint and leaves the others intact; a failed commit fails them all.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use diesel::Connection;
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use tokio::sync::{mpsc, oneshot};
+
+use super::conn::Settings;
+use super::{Conn, Error, Stats};
+
+/// Tells a caller how its write ended, once the batch's commit is known.
+/// `Some(message)` means the commit failed and the write did not happen.
+type Finish = Box<dyn FnOnce(Option<&str>) + Send>;
+
+/// One write waiting for the writer.
+trait Write: Send {
+    /// Runs inside the batch transaction; returns how to report the result after commit.
+    fn run(self: Box<Self>, connection: &mut Conn) -> Finish;
+    /// Reports that the write never ran.
+    fn fail(self: Box<Self>, message: &str);
+}
+
+type Job = Box<dyn Write>;
+
+struct Pending<F, T, E> {
+    write: F,
+    reply: oneshot::Sender<Result<T, E>>,
+}
+
+impl<F, T, E> Write for Pending<F, T, E>
+where
+    T: Send + 'static,
+    E: From<Error> + From<diesel::result::Error> + Send + 'static,
+    F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
+{
+    fn run(self: Box<Self>, connection: &mut Conn) -> Finish {
+        let Pending { write, reply } = *self;
+        // Inside the batch transaction this is a savepoint: an Err undoes this write only.
+        let result = connection.transaction(write);
+        Box::new(move |commit_failure: Option<&str>| {
+            let result = match commit_failure {
+                None => result,
+                Some(message) => Err(E::from(Error::CommitFailed(message.to_owned()))),
+            };
+            // The caller may have stopped waiting; the write's fate is settled either way.
+            drop(reply.send(result));
+        })
+    }
+
+    fn fail(self: Box<Self>, message: &str) {
+        let error = E::from(Error::CommitFailed(message.to_owned()));
+        // As above: a caller that stopped waiting needs no answer.
+        drop(self.reply.send(Err(error)));
+    }
+}
+
+/// How many writes may wait for the writer before callers wait to submit.
+const QUEUE: usize = 4096;
+
+/// Submits writes to the writer thread.
+pub(super) struct Handle {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl Handle {
+    pub async fn submit<T, E, F>(&self, write: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + From<diesel::result::Error> + Send + 'static,
+        F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
+    {
+        let (reply, outcome) = oneshot::channel::<Result<T, E>>();
+        let job: Job = Box::new(Pending { write, reply });
+        self.jobs
+            .send(job)
+            .await
+            .map_err(|_| E::from(Error::WriterGone))?;
+        outcome.await.unwrap_or(Err(E::from(Error::WriterGone)))
+    }
+}
+
+/// Starts the writer thread on `connection`.
+pub(super) fn spawn(
+    connection: Conn,
+    settings: Settings,
+    max_batch: usize,
+    stats: Arc<Stats>,
+) -> Result<Handle, Error> {
+    let (jobs, receiver) = mpsc::channel(QUEUE);
+    std::thread::Builder::new()
+        .name("keel-store-writer".into())
+        .spawn(move || run(connection, settings, receiver, max_batch.max(1), &stats))
+        .map_err(|e| Error::Connect {
+            url: "writer".into(),
+            message: format!("starting the writer thread: {e}"),
+        })?;
+    Ok(Handle { jobs })
+}
+
+fn run(
+    mut connection: Conn,
+    settings: Settings,
+    mut receiver: mpsc::Receiver<Job>,
+    max_batch: usize,
+    stats: &Stats,
+) {
+    let mut carried: Vec<Job> = Vec::new();
+    loop {
+        let mut batch = std::mem::take(&mut carried);
+        if batch.is_empty() {
+            match receiver.blocking_recv() {
+                Some(job) => batch.push(job),
+                None => break,
+            }
+        }
+        while batch.len() < max_batch {
+            match receiver.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats
+            .writes
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        carried = run_batch(&mut connection, batch);
+
+        if <Conn as Connection>::TransactionManager::is_broken_transaction_manager(&mut connection)
+        {
+            connection = reconnect(&settings);
+        }
+    }
+    tracing::debug!(url = %settings.url, "store writer stopped");
+}
+
+/// Runs one batch. Returns the writes it did not get to (after a panic), to run next.
+fn run_batch(connection: &mut Conn, batch: Vec<Job>) -> Vec<Job> {
+    let began = match connection {
+        Conn::Sqlite(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE"),
+        Conn::Pg(c) => AnsiTransactionManager::begin_transaction(c),
+    };
+    if let Err(e) = began {
+        let message = format!("could not begin a transaction: {e}");
+        tracing::error!(%message, writes = batch.len(), "write batch failed");
+        for job in batch {
+            job.fail(&message);
+        }
+        return Vec::new();
+    }
+
+    let mut finishes: Vec<Finish> = Vec::with_capacity(batch.len());
+    let mut jobs = batch.into_iter();
+    let mut panicked = false;
+    for job in jobs.by_ref() {
+        match catch_unwind(AssertUnwindSafe(|| job.run(connection))) {
+            Ok(finish) => finishes.push(finish),
+            Err(_) => {
+                panicked = true;
+                break;
+            }
+        }
+    }
+
+    if panicked {
+        // The panicking write's caller hears `WriterGone` (its reply was dropped). The
+        // writes before it shared its transaction, so they are rolled back and failed;
+        // the writes after it have not run and go into the next batch.
+        rollback_all(connection);
+        for finish in finishes {
+            finish(Some("another write in the same transaction panicked"));
+        }
+        return jobs.collect();
+    }
+
+    match <Conn as Connection>::TransactionManager::commit_transaction(connection) {
+        Ok(()) => {
+            for finish in finishes {
+                finish(None);
+            }
+        }
+        Err(e) => {
+            let message = format!("commit failed: {e}");
+            tracing::error!(%message, writes = finishes.len(), "write batch failed");
+            rollback_all(connection);
+            for finish in finishes {
+                finish(Some(&message));
+            }
+        }
+    }
+    Vec::new()
+}
+
+fn rollback_all(connection: &mut Conn) {
+    while matches!(
+        <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection)
+            .transaction_depth(),
+        Ok(Some(_))
+    ) {
+        if let Err(e) = <Conn as Connection>::TransactionManager::rollback_transaction(connection) {
+            tracing::error!(error = %e, "rollback failed; the connection will be replaced");
+            break;
+        }
+    }
+}
+
+/// Replaces a broken writer connection, retrying until the database answers.
+fn reconnect(settings: &Settings) -> Conn {
+    let mut delay = std::time::Duration::from_millis(100);
+    loop {
+        match settings.establish() {
+            Ok(connection) => {
+                tracing::info!(url = %settings.url, "store writer reconnected");
+                return connection;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "store writer cannot reconnect; retrying");
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(std::time::Duration::from_secs(5));
+            }
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! Projections: the transcript, tools resolved exactly once, usage totals.
+
+use keel_core::event::projector::{ToolOutput, crashed_tool_error, interrupted_tool_error};
+use keel_core::store::{Error, Store};
+use keel_schema::api::{AssistantPart, Message, StepEnd, ToolStatus};
+use keel_schema::event::{DurableEvent, payload};
+use keel_schema::id::{CallId, ExecutionId, MessageId, SessionId};
+use keel_schema::types::{Effect, ErrorInfo, Finish, InterruptReason, ToolContent};
+use serde_json::{Value, json};
+
+use crate::backend_tests;
+use crate::lifecycle::{self, rows, usage};
+use crate::support::{TestDb, model, new_session};
+
+backend_tests!(
+    a_full_prompt_lifecycle_projects_the_transcript_tools_inputs_and_totals,
+    step_interrupted_fails_every_unresolved_tool_of_its_step,
+    step_recovered_fails_unresolved_tools_with_the_crash_error,
+    a_tool_call_is_resolved_exactly_once,
+    a_step_does_not_end_while_a_tool_of_it_is_unresolved,
+    usage_totals_accumulate_from_step_ended_and_step_failed,
+);
+
+fn step_started(id: MessageId) -> DurableEvent {
+    DurableEvent::StepStarted(payload::StepStarted {
+        assistant_message_id: id,
+        step: 1,
+        agent: "build".into(),
+        model: model(),
+    })
+}
+
+fn called(message: MessageId, call: CallId, name: &str, effect: Effect) -> DurableEvent {
+    DurableEvent::ToolCalled(payload::ToolCalled {
+        assistant_message_id: message,
+        call_id: call,
+        name: name.into(),
+        input: json!({}),
+        provider_executed: false,
+        effect,
+        provider_call_id: None,
+    })
+}
+
+fn success(call: CallId) -> DurableEvent {
+    DurableEvent::ToolSuccess(payload::ToolSuccess {
+        call_id: call,
+        structured: json!(null),
+        content: vec![ToolContent::Text { text: "ok".into() }],
+        result: None,
+    })
+}
+
+/// (call id, status, output) of every tool call of the session, by call id.
+async fn tools(store: &Store, session: SessionId) -> Vec<(String, String, Option<Value>)> {
+    let mut tools: Vec<(String, String, Option<Value>)> = store
+        .read(move |c| Ok::<_, Error>(rows(c, session)))
+        .await
+        .unwrap()
+        .tools
+        .into_iter()
+        .map(|t| (t.0, t.4, t.7.map(|o| serde_json::from_str(&o).unwrap())))
+        .collect();
+    tools.sort_by(|a, b| a.0.cmp(&b.0));
+    tools
+}
+
+async fn a_full_prompt_lifecycle_projects_the_transcript_tools_inputs_and_totals(db: TestDb) {
+    let store = db.open().await;
+    let session = lifecycle::write(&store).await;
+    let rows = store
+        .read(move |c| Ok::<_, Error>(rows(c, session)))
+        .await
+        .unwrap();
+
+    let (title, last_seq, totals, cost) = (
+        rows.session[0].1.clone(),
+        rows.session[0].8,
+        rows.session[0].9,
+        rows.session[0].10,
+    );
+    assert_eq!(title.as_deref(), Some("Flaky login test"));
+    let events = store.read_log(session, 0, 1000).await.unwrap();
+    assert_eq!(last_seq, events.len() as i64);
+    assert_eq!(totals, (2200, 70, 14, 200, 6));
+    assert!((cost - 0.75).abs() < 1e-9);
+
+    let roles: Vec<&str> = rows.messages.iter().map(|m| m.2.as_str()).collect();
+    assert_eq!(roles, vec!["user", "assistant", "assistant"]);
+    let transcript: Vec<Message> = rows
+        .messages
+        .iter()
+        .map(|m| serde_json::from_value(m.3.clone()).unwrap())
+        .collect();
+    let Message::User { parts, .. } = &transcript[0] else {
+        panic!("{:?}", transcript[0])
+    };
+    assert_eq!(
+        parts,
+        &vec![keel_schema::types::Part::Text {
+            text: "Why does test_login fail?".into()
+        }]
+    );
+    let Message::Assistant {
+        parts,
+        end,
+        usage: u,
+        ..
+    } = &transcript[1]
+    else {
+        panic!("{:?}", transcript[1])
+    };
+    assert_eq!(
+        end,
+        &Some(StepEnd::Ended {
+            finish: Finish::ToolCalls
+        })
+    );
+    assert_eq!(*u, usage(1000, 50));
+    let statuses: Vec<(String, ToolStatus)> = parts
+        .iter()
+        .filter_map(|p| match p {
+            AssistantPart::Tool { name, status, .. } => Some((name.clone(), *status)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        statuses,
+        vec![
+            ("read".into(), ToolStatus::Completed),
+            ("write".into(), ToolStatus::Error)
+        ]
+    );
+    let Message::Assistant { parts, .. } = &transcript[2] else {
+        panic!("{:?}", transcript[2])
+    };
+    assert_eq!(
+        parts,
+        &vec![
+            AssistantPart::Reasoning {
+                ordinal: 0,
+                text: "The clock is read twice.".into(),
+                provider_metadata: Some(json!({"signature": "sig"})),
+            },
+            AssistantPart::Text {
+                ordinal: 0,
+                text: "Pin the clock.".into()
+            },
+        ]
+    );
+
+    let statuses: Vec<keel_schema::api::InputStatus> =
+        rows.inputs.iter().map(|i| i.status()).collect();
+    assert_eq!(
+        statuses,
+        vec![
+            keel_schema::api::InputStatus::Promoted,
+            keel_schema::api::InputStatus::Cancelled
+        ]
+    );
+    assert!(rows.inputs.iter().all(|i| i.execution_requested));
+    let mut tool_rows: Vec<(String, String)> = rows
+        .tools
+        .iter()
+        .map(|t| (t.2.clone(), t.4.clone()))
+        .collect();
+    tool_rows.sort();
+    assert_eq!(
+        tool_rows,
+        vec![
+            ("read".to_owned(), "completed".to_owned()),
+            ("write".to_owned(), "error".to_owned()),
+        ]
+    );
+}
+
+async fn step_interrupted_fails_every_unresolved_tool_of_its_step(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    let (done, running, streaming) = (CallId::new(), CallId::new(), CallId::new());
+    store
+        .append(
+            session,
+            vec![
+                step_started(message),
+                called(message, done, "read", Effect::Read),
+                called(message, running, "bash", Effect::Write),
+                DurableEvent::ToolInputStarted(payload::ToolInputStarted {
+                    assistant_message_id: message,
+                    call_id: streaming,
+                    name: "edit".into(),
+                }),
+                success(done),
+            ],
+        )
+        .await
+        .unwrap();
+    store
+        .append(
+            session,
+            vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
+                assistant_message_id: message,
+                reason: InterruptReason::User,
+            })],
+        )
+        .await
+        .unwrap();
+    let failure = serde_json::to_value(ToolOutput::Failure {
+        error: interrupted_tool_error(InterruptReason::User),
+    })
+    .unwrap();
+    let mut expected = vec![
+        (
+            done.to_string(),
+            "completed".to_owned(),
+            Some(json!({
+                "structured": null,
+                "content": [{"type": "text", "text": "ok"}],
+            })),
+        ),
+        (
+            running.to_string(),
+            "error".to_owned(),
+            Some(failure.clone()),
+        ),
+        (streaming.to_string(), "error".to_owned(), Some(failure)),
+    ];
+    expected.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(tools(&store, session).await, expected);
+    // Once the step is settled, nothing resolves its tools again.
+    let err = store
+        .append(session, vec![success(running)])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("already resolved"), "{err}");
+}
+
+async fn step_recovered_fails_unresolved_tools_with_the_crash_error(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    let write = CallId::new();
+    store
+        .append(
+            session,
+            vec![
+                step_started(message),
+                called(message, write, "write", Effect::Write),
+                DurableEvent::StepRecovered(payload::StepRecovered {
+                    assistant_message_id: message,
+                    execution_id: ExecutionId::new(),
+                }),
+            ],
+        )
+        .await
+        .unwrap();
+    let failure = serde_json::to_value(ToolOutput::Failure {
+        error: crashed_tool_error(),
+    })
+    .unwrap();
+    assert_eq!(
+        tools(&store, session).await,
+        vec![(write.to_string(), "error".to_owned(), Some(failure))]
+    );
+    assert!(
+        crashed_tool_error()
+            .message
+            .contains("did not run it again")
+    );
+}
+
+async fn a_tool_call_is_resolved_exactly_once(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    let call = CallId::new();
+    store
+        .append(
+            session,
+            vec![
+                step_started(message),
+                called(message, call, "read", Effect::Read),
+                success(call),
+            ],
+        )
+        .await
+        .unwrap();
+    let before = tools(&store, session).await;
+    for second in [
+        success(call),
+        DurableEvent::ToolFailed(payload::ToolFailed {
+            call_id: call,
+            error: ErrorInfo::new("tool.x", "late"),
+        }),
+    ] {
+        let err = store.append(session, vec![second]).await.unwrap_err();
+        assert!(err.to_string().contains("already resolved"), "{err}");
+    }
+    let err = store
+        .append(session, vec![called(message, call, "read", Effect::Read)])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("already called"), "{err}");
+    let err = store
+        .append(session, vec![success(CallId::new())])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no tool call"), "{err}");
+    assert_eq!(tools(&store, session).await, before);
+}
+
+async fn a_step_does_not_end_while_a_tool_of_it_is_unresolved(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    let call = CallId::new();
+    store
+        .append(
+            session,
+            vec![
+                step_started(message),
+                called(message, call, "read", Effect::Read),
+            ],
+        )
+        .await
+        .unwrap();
+    for end in [
+        DurableEvent::StepEnded(payload::StepEnded {
+            assistant_message_id: message,
+            finish: Finish::ToolCalls,
+            usage: usage(1, 1),
+            cost: 0.0,
+        }),
+        DurableEvent::StepFailed(payload::StepFailed {
+            assistant_message_id: message,
+            error: ErrorInfo::new("provider.server", "502"),
+            usage: None,
+        }),
+    ] {
+        let err = store.append(session, vec![end]).await.unwrap_err();
+        assert!(err.to_string().contains("is unresolved"), "{err}");
+    }
+}
+
+async fn usage_totals_accumulate_from_step_ended_and_step_failed(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let (a, b, c) = (MessageId::new(), MessageId::new(), MessageId::new());
+    store
+        .append(
+            session,
+            vec![
+                step_started(a),
+                DurableEvent::StepEnded(payload::StepEnded {
+                    assistant_message_id: a,
+                    finish: Finish::Stop,
+                    usage: usage(10, 1),
+                    cost: 1.0,
+                }),
+                step_started(b),
+                DurableEvent::StepFailed(payload::StepFailed {
+                    assistant_message_id: b,
+                    error: ErrorInfo::new("provider.server", "502"),
+                    usage: Some(usage(5, 0)),
+                }),
+                step_started(c),
+                DurableEvent::StepFailed(payload::StepFailed {
+                    assistant_message_id: c,
+                    error: ErrorInfo::new("provider.auth", "401"),
+                    usage: None,
+                }),
+            ],
+        )
+        .await
+        .unwrap();
+    let rows = store
+        .read(move |conn| Ok::<_, Error>(rows(conn, session)))
+        .await
+        .unwrap();
+    assert_eq!(rows.session[0].9, (15, 1, 14, 200, 6));
+    assert!((rows.session[0].10 - 1.0).abs() < 1e-9);
+}
