@@ -3,8 +3,10 @@
 //! - `regenerate`: writes every generated file (contracts and the client's endpoint layer).
 //! - `check`: fails, naming each file, when a generated file is stale, when the catalog and
 //!   `contracts/events/` disagree, or when a published event version's schema changed.
-//! - `bench`, `crash`: not built yet (see the README's status list).
+//! - `bench [--quick]`: runs the benchmarks, prints a table, writes `target/bench/latest.json`.
+//! - `crash`: not built yet (see the README's status list).
 
+mod bench;
 mod published;
 
 use std::collections::BTreeMap;
@@ -15,14 +17,15 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use keel_codegen::{EVENTS_DIR, File, check, generate};
 
-const USAGE: &str = "usage: cargo xtask <regenerate|check|bench|crash>";
+const USAGE: &str = "usage: cargo xtask <regenerate|check|bench [--quick]|crash>";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("regenerate") => regenerate(&workspace_root()),
         Some("check") => run_check(&workspace_root()),
-        Some(task @ ("bench" | "crash")) => Err(anyhow::anyhow!(
+        Some("bench") => bench::run(&workspace_root(), &args[1..]),
+        Some(task @ "crash") => Err(anyhow::anyhow!(
             "`cargo xtask {task}` is not built yet; see the README's status list"
         )),
         _ => Err(anyhow::anyhow!(USAGE)),
