@@ -1,5 +1,7 @@
 //! Connections: one type for both backends, opened with Keel's settings.
 
+use std::time::{Duration, Instant};
+
 use diesel::connection::SimpleConnection;
 use diesel::r2d2::ManageConnection;
 use diesel::{Connection, PgConnection, SqliteConnection};
@@ -64,13 +66,30 @@ impl Settings {
 }
 
 /// Switches a SQLite database to write-ahead logging (persistent, so once suffices).
-pub(super) fn enable_wal(connection: &mut Conn, url: &DbUrl) -> Result<(), Error> {
-    connection
-        .batch_execute("PRAGMA journal_mode = WAL;")
-        .map_err(|e| Error::Connect {
-            url: url.to_string(),
-            message: format!("enabling write-ahead logging: {e}"),
-        })
+///
+/// Changing the journal mode needs the database to itself, and SQLite answers "database is
+/// locked" at once rather than waiting, so a process opening a database another is opening
+/// too retries for up to the busy timeout.
+pub(super) fn enable_wal(
+    connection: &mut Conn,
+    url: &DbUrl,
+    busy_timeout_ms: u32,
+) -> Result<(), Error> {
+    let deadline = Instant::now() + Duration::from_millis(u64::from(busy_timeout_ms));
+    loop {
+        match connection.batch_execute("PRAGMA journal_mode = WAL;") {
+            Ok(()) => return Ok(()),
+            Err(e) if e.to_string().contains("locked") && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => {
+                return Err(Error::Connect {
+                    url: url.to_string(),
+                    message: format!("enabling write-ahead logging: {e}"),
+                });
+            }
+        }
+    }
 }
 
 /// Opens pooled read connections with the same settings as the writer's.

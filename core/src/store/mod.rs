@@ -167,7 +167,7 @@ impl Store {
         };
         let mut connection = settings.establish()?;
         if let Conn::Sqlite(_) = connection {
-            conn::enable_wal(&mut connection, &url)?;
+            conn::enable_wal(&mut connection, &url, options.busy_timeout_ms)?;
         }
         migrate::run(&mut connection, &url)?;
         let readers = Pool::builder()
