@@ -122,17 +122,14 @@ pub fn admit(
     }
     // A savepoint of its own, so that losing a race for the same client id (another node
     // admitted it first) can fall back to the replay rules below.
-    match connection.transaction(|c| log::append(c, now, session_id, events)) {
-        Ok(_) => {}
-        Err(store::Error::Projection { .. }) if admission.id.is_some() => {
-            if let Some(row) = InputRow::find(connection, input_id)? {
-                return replay(&row, session_id, &admission);
-            }
-            return Err(Error::Store(store::Error::Corrupt(format!(
-                "admitting {input_id} failed and no such input exists"
-            ))));
-        }
-        Err(e) => return Err(e.into()),
+    if let Err(e) = connection.transaction(|c| log::append(c, now, session_id, events)) {
+        return match admission.id {
+            Some(id) => match InputRow::find(connection, id)? {
+                Some(row) => replay(&row, session_id, &admission),
+                None => Err(e.into()),
+            },
+            None => Err(e.into()),
+        };
     }
     let row = InputRow::find(connection, input_id)?.ok_or_else(|| {
         store::Error::Corrupt(format!("input {input_id} was admitted but has no row"))

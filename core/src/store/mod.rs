@@ -236,19 +236,4 @@ impl Store {
         .await
         .map_err(|e| E::from(Error::Pool(format!("the read task failed: {e}"))))?
     }
-
-    /// Runs `read` on the calling thread with a pooled connection. For code that is
-    /// already off the async runtime (tests, tools, replay).
-    pub fn read_blocking<T, E, F>(&self, read: F) -> Result<T, E>
-    where
-        E: From<Error>,
-        F: FnOnce(&mut Conn) -> Result<T, E>,
-    {
-        let mut connection = self
-            .inner
-            .readers
-            .get()
-            .map_err(|e| Error::Pool(e.to_string()))?;
-        read(&mut connection)
-    }
 }
