@@ -3,9 +3,11 @@
 //! - [`store`]: the database (SQLite or PostgreSQL), migrations, group-committed writes.
 //! - [`event`]: the event log and the projections built from it.
 //! - [`inbox`]: admission of inputs and their promotion into the transcript.
+//! - [`tool`]: the tools the model can call, confined to the session directory.
 //! - [`clock`]: injectable time.
 
 pub mod clock;
 pub mod event;
 pub mod inbox;
 pub mod store;
+pub mod tool;
