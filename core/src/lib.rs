@@ -2,12 +2,16 @@
 //!
 //! - [`store`]: the database (SQLite or PostgreSQL), migrations, group-committed writes.
 //! - [`event`]: the event log and the projections built from it.
+//! - [`execution`]: claims, leases and the fence.
+//! - [`coordinator`]: at most one drain per session; wakes, joins, interrupts.
 //! - [`inbox`]: admission of inputs and their promotion into the transcript.
 //! - [`tool`]: the tools the model can call, confined to the session directory.
 //! - [`clock`]: injectable time.
 
 pub mod clock;
+pub mod coordinator;
 pub mod event;
+pub mod execution;
 pub mod inbox;
 pub mod store;
 pub mod tool;

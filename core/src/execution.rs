@@ -1,0 +1,323 @@
+//! Execution claims: who runs a session's execution, until when, fenced.
+//!
+//! A claim is the `session_execution` row. [`acquire`] inserts it, and `session_id` is
+//! UNIQUE, so exactly one owner wins; it never replaces an existing claim, even an expired
+//! one (reconciling expired claims belongs to recovery alone). The lease is
+//! `expires_at = now + lease`, renewed by the owner for all its claims in one statement
+//! ([`renew_all`]).
+//!
+//! **The fence.** Every durable write made on behalf of an execution runs through
+//! [`fenced`]: in the write's transaction it first updates the claim
+//! `WHERE id = ? AND session_id = ? AND owner_id = ? AND expires_at > now` (renewing it)
+//! and requires exactly one affected row; otherwise the whole transaction rolls back with
+//! [`Error::OwnershipLost`]. A process that lost its claim (paused past its lease, or
+//! recovered by another node) can therefore never write into the session again.
+//!
+//! The fence compares the writer's clock with a lease written by (possibly) another
+//! node's clock: Keel assumes clock skew between nodes plus scheduling delay stays well
+//! below the lease (default 30 s). See `docs/execution.md`.
+
+use diesel::prelude::*;
+use keel_schema::event::{DurableEvent, Envelope, payload};
+use keel_schema::id::{ExecutionId, MessageId, OwnerId, SessionId};
+use keel_schema::types::{ErrorInfo, Outcome, Phase};
+
+use crate::event::log::{self, db_int, from_db_int};
+use crate::event::projector::{parse_text, text_of};
+use crate::store::schema::session_execution;
+use crate::store::{self, Conn};
+
+/// What can go wrong with a claim.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// The claim is gone, belongs to another owner, or its lease expired: this process
+    /// no longer runs the execution and must stop without writing.
+    #[error("ownership of execution {execution_id} of session {session_id} was lost")]
+    OwnershipLost {
+        execution_id: ExecutionId,
+        session_id: SessionId,
+    },
+    #[error("{0}")]
+    Store(String),
+}
+
+impl From<store::Error> for Error {
+    fn from(e: store::Error) -> Self {
+        Self::Store(e.to_string())
+    }
+}
+
+impl From<diesel::result::Error> for Error {
+    fn from(e: diesel::result::Error) -> Self {
+        Self::Store(store::Error::from(e).to_string())
+    }
+}
+
+/// The identity of a claim: what the fence matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Claim {
+    pub id: ExecutionId,
+    pub session_id: SessionId,
+    pub owner_id: OwnerId,
+}
+
+/// A claim row as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRow {
+    pub claim: Claim,
+    pub phase: Phase,
+    pub assistant_message_id: Option<MessageId>,
+    pub assistant_seq: Option<u64>,
+    pub time_created: i64,
+    pub expires_at: i64,
+    pub recovery_error: Option<String>,
+}
+
+type Row = (
+    String,
+    String,
+    String,
+    Option<String>,
+    Option<i64>,
+    String,
+    i64,
+    i64,
+    Option<String>,
+);
+
+fn from_row(row: Row) -> Result<ClaimRow, store::Error> {
+    let (id, session_id, owner_id, assistant, assistant_seq, phase, created, expires, error) = row;
+    let corrupt = |what: &str, e: &dyn std::fmt::Display| {
+        store::Error::Corrupt(format!("claim {id} {what}: {e}"))
+    };
+    Ok(ClaimRow {
+        claim: Claim {
+            id: id.parse().map_err(|e| corrupt("id", &e))?,
+            session_id: session_id.parse().map_err(|e| corrupt("session", &e))?,
+            owner_id: owner_id.parse().map_err(|e| corrupt("owner", &e))?,
+        },
+        phase: parse_text("session_execution.phase", &phase)?,
+        assistant_message_id: assistant
+            .map(|a| a.parse().map_err(|e| corrupt("assistant", &e)))
+            .transpose()?,
+        assistant_seq: assistant_seq.map(from_db_int).transpose()?,
+        time_created: created,
+        expires_at: expires,
+        recovery_error: error,
+    })
+}
+
+/// The session's claim, if any.
+pub fn get(connection: &mut Conn, session_id: SessionId) -> Result<Option<ClaimRow>, store::Error> {
+    session_execution::table
+        .filter(session_execution::session_id.eq(session_id.to_string()))
+        .select((
+            session_execution::id,
+            session_execution::session_id,
+            session_execution::owner_id,
+            session_execution::assistant_message_id,
+            session_execution::assistant_seq,
+            session_execution::phase,
+            session_execution::time_created,
+            session_execution::expires_at,
+            session_execution::recovery_error,
+        ))
+        .first::<Row>(connection)
+        .optional()?
+        .map(from_row)
+        .transpose()
+}
+
+/// Claims the session's execution for `owner_id`, appending `execution.started` in the
+/// same transaction. Returns `None` when a claim exists already (live or expired).
+pub fn acquire(
+    connection: &mut Conn,
+    now: i64,
+    lease_ms: i64,
+    session_id: SessionId,
+    owner_id: OwnerId,
+) -> Result<Option<(Claim, Envelope)>, store::Error> {
+    if get(connection, session_id)?.is_some() {
+        return Ok(None);
+    }
+    let claim = Claim {
+        id: ExecutionId::new(),
+        session_id,
+        owner_id,
+    };
+    // A savepoint: losing the race for the UNIQUE session_id (another node inserted
+    // between our read and our insert) must leave the caller's transaction usable.
+    let inserted = connection.transaction(|c| {
+        diesel::insert_into(session_execution::table)
+            .values((
+                session_execution::id.eq(claim.id.to_string()),
+                session_execution::session_id.eq(session_id.to_string()),
+                session_execution::owner_id.eq(owner_id.to_string()),
+                session_execution::phase.eq(text_of(&Phase::Claimed)),
+                session_execution::time_created.eq(now),
+                session_execution::expires_at.eq(now + lease_ms),
+            ))
+            .execute(c)
+    });
+    match inserted {
+        Ok(_) => {}
+        Err(diesel::result::Error::DatabaseError(
+            diesel::result::DatabaseErrorKind::UniqueViolation,
+            _,
+        )) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let started = log::append(
+        connection,
+        now,
+        session_id,
+        vec![DurableEvent::ExecutionStarted(payload::ExecutionStarted {
+            execution_id: claim.id,
+            owner_id,
+        })],
+    )?;
+    let envelope = started
+        .into_iter()
+        .next()
+        .ok_or_else(|| store::Error::Corrupt("appending execution.started wrote nothing".into()))?;
+    Ok(Some((claim, envelope)))
+}
+
+/// The fence alone: renews the claim if and only if `claim` still owns an unexpired lease.
+pub fn check(connection: &mut Conn, now: i64, lease_ms: i64, claim: &Claim) -> Result<(), Error> {
+    let updated = diesel::update(
+        session_execution::table
+            .filter(session_execution::id.eq(claim.id.to_string()))
+            .filter(session_execution::session_id.eq(claim.session_id.to_string()))
+            .filter(session_execution::owner_id.eq(claim.owner_id.to_string()))
+            .filter(session_execution::expires_at.gt(now)),
+    )
+    .set(session_execution::expires_at.eq(now + lease_ms))
+    .execute(connection)?;
+    if updated == 1 {
+        Ok(())
+    } else {
+        Err(Error::OwnershipLost {
+            execution_id: claim.id,
+            session_id: claim.session_id,
+        })
+    }
+}
+
+/// Runs `write` behind the fence, in the caller's transaction: the fence first, then the
+/// write. Any error rolls both back.
+pub fn fenced<T, E>(
+    connection: &mut Conn,
+    now: i64,
+    lease_ms: i64,
+    claim: &Claim,
+    write: impl FnOnce(&mut Conn) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<Error>,
+{
+    check(connection, now, lease_ms, claim)?;
+    write(connection)
+}
+
+/// Renews every live lease of `owner_id` in one statement; returns how many. Expired
+/// leases are not renewed: they belong to recovery.
+pub fn renew_all(
+    connection: &mut Conn,
+    now: i64,
+    lease_ms: i64,
+    owner_id: OwnerId,
+) -> Result<usize, store::Error> {
+    Ok(diesel::update(
+        session_execution::table
+            .filter(session_execution::owner_id.eq(owner_id.to_string()))
+            .filter(session_execution::expires_at.gt(now)),
+    )
+    .set(session_execution::expires_at.eq(now + lease_ms))
+    .execute(connection)?)
+}
+
+/// Expires every lease of `owner_id` now, handing its executions to recovery at once (a
+/// graceful shutdown).
+pub fn expire_all(
+    connection: &mut Conn,
+    now: i64,
+    owner_id: OwnerId,
+) -> Result<usize, store::Error> {
+    Ok(diesel::update(
+        session_execution::table.filter(session_execution::owner_id.eq(owner_id.to_string())),
+    )
+    .set(session_execution::expires_at.eq(now))
+    .execute(connection)?)
+}
+
+/// Sets the claim's phase and, when given, its assistant message (fenced by the caller).
+pub fn set_phase(
+    connection: &mut Conn,
+    claim: &Claim,
+    phase: Phase,
+    assistant: Option<(MessageId, u64)>,
+) -> Result<(), Error> {
+    let (message, seq) = match assistant {
+        Some((message, seq)) => (Some(message.to_string()), Some(db_int(seq)?)),
+        None => (None, None),
+    };
+    let target = session_execution::table
+        .filter(session_execution::id.eq(claim.id.to_string()))
+        .filter(session_execution::owner_id.eq(claim.owner_id.to_string()));
+    let updated = if assistant.is_some() {
+        diesel::update(target)
+            .set((
+                session_execution::phase.eq(text_of(&phase)),
+                session_execution::assistant_message_id.eq(message),
+                session_execution::assistant_seq.eq(seq),
+            ))
+            .execute(connection)?
+    } else {
+        diesel::update(target)
+            .set(session_execution::phase.eq(text_of(&phase)))
+            .execute(connection)?
+    };
+    if updated == 1 {
+        Ok(())
+    } else {
+        Err(Error::OwnershipLost {
+            execution_id: claim.id,
+            session_id: claim.session_id,
+        })
+    }
+}
+
+/// Settles the execution: `execution.settled` and the deletion of the exact claim row in
+/// one fenced transaction (the caller's).
+pub fn release(
+    connection: &mut Conn,
+    now: i64,
+    lease_ms: i64,
+    claim: &Claim,
+    outcome: Outcome,
+    error: Option<ErrorInfo>,
+) -> Result<Envelope, Error> {
+    fenced(connection, now, lease_ms, claim, |c| {
+        let settled = log::append(
+            c,
+            now,
+            claim.session_id,
+            vec![DurableEvent::ExecutionSettled(payload::ExecutionSettled {
+                execution_id: claim.id,
+                outcome,
+                error,
+            })],
+        )?;
+        diesel::delete(
+            session_execution::table
+                .filter(session_execution::id.eq(claim.id.to_string()))
+                .filter(session_execution::owner_id.eq(claim.owner_id.to_string())),
+        )
+        .execute(c)?;
+        settled
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Store("appending execution.settled wrote nothing".into()))
+    })
+}
