@@ -4,6 +4,7 @@
 
 mod support;
 
+mod execution;
 mod inbox;
 mod lifecycle;
 mod log;
