@@ -13,5 +13,6 @@ pub mod coordinator;
 pub mod event;
 pub mod execution;
 pub mod inbox;
+pub mod provider;
 pub mod store;
 pub mod tool;

@@ -1,0 +1,183 @@
+//! Providers: turn a model request into a stream of LLM events.
+//!
+//! [`Provider::stream`] takes a [`Request`] (system prompt, transcript turns, tool
+//! definitions, limits) and yields [`Event`]s: fragments of text and reasoning, streamed
+//! tool input, tool calls, results of tools the provider ran itself, and one finish with
+//! usage; or a typed [`Error`]. Adapters: [`scripted`] (a JSON script; tests, benches and
+//! the built-in demo model).
+
+pub mod scripted;
+
+use std::pin::Pin;
+
+use futures::Stream;
+use keel_schema::types::{ErrorInfo, Finish, ModelRef, Part, ToolContent, Usage};
+use serde_json::Value;
+
+/// A tool as the model sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    pub input_schema: Value,
+}
+
+/// Whether the model may call tools in this request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolChoice {
+    Auto,
+    /// The last allowed step: tool definitions stay in the request, calls are disabled.
+    None,
+}
+
+/// One entry of the transcript sent to the model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Turn {
+    User { parts: Vec<Part> },
+    Assistant { items: Vec<AssistantItem> },
+    /// Exactly one result per call of the preceding assistant turn.
+    ToolResults { results: Vec<ToolResult> },
+}
+
+/// Part of an assistant turn, replayed to the provider.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AssistantItem {
+    Text(String),
+    Reasoning {
+        text: String,
+        metadata: Option<Value>,
+    },
+    ToolCall {
+        /// The provider's id for the call when it gave one, else Keel's.
+        id: String,
+        name: String,
+        input: Value,
+        provider_executed: bool,
+    },
+}
+
+/// The result of one tool call, as the model sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolResult {
+    pub id: String,
+    pub name: String,
+    pub output: Result<Vec<ToolContent>, ErrorInfo>,
+}
+
+/// A model request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub model: ModelRef,
+    pub system: String,
+    pub turns: Vec<Turn>,
+    pub tools: Vec<ToolSpec>,
+    pub tool_choice: ToolChoice,
+    pub max_output_tokens: Option<u32>,
+}
+
+impl Request {
+    /// How many assistant turns the transcript holds.
+    pub fn assistant_turns(&self) -> usize {
+        self.turns
+            .iter()
+            .filter(|t| matches!(t, Turn::Assistant { .. }))
+            .count()
+    }
+}
+
+/// One event of a provider's response stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    TextStart,
+    TextDelta(String),
+    TextEnd,
+    ReasoningStart,
+    ReasoningDelta(String),
+    ReasoningEnd {
+        metadata: Option<Value>,
+    },
+    /// The model began streaming a tool call's input.
+    ToolInputStart {
+        id: String,
+        name: String,
+    },
+    ToolInputDelta {
+        id: String,
+        delta: String,
+    },
+    ToolInputEnd {
+        id: String,
+    },
+    /// A complete tool call; `input` is the raw JSON text the model wrote.
+    ToolCall {
+        id: String,
+        name: String,
+        input: String,
+        provider_executed: bool,
+    },
+    /// The result of a tool the provider ran itself.
+    ToolResult {
+        id: String,
+        result: Value,
+        content: Vec<ToolContent>,
+        error: Option<ErrorInfo>,
+    },
+    Finish {
+        finish: Finish,
+        usage: Usage,
+    },
+}
+
+/// A provider failure, typed so the runner can decide to retry, compact or fail.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("the request is longer than the model's context: {0}")]
+    ContextOverflow(String),
+    #[error("rate limited: {message}")]
+    RateLimit {
+        retry_after_ms: Option<u64>,
+        message: String,
+    },
+    #[error("the provider failed ({status}): {message}")]
+    Server { status: u16, message: String },
+    #[error("the provider refused the credentials: {0}")]
+    Auth(String),
+    #[error("the provider refused the request: {0}")]
+    BadRequest(String),
+    #[error("could not send the request: {0}")]
+    TransportBeforeSend(String),
+    #[error("the connection failed after the request was sent: {0}")]
+    TransportAfterSend(String),
+    #[error("the response stream ended early: {0}")]
+    Incomplete(String),
+    /// The stream broke the protocol (a duplicate start, a result for an unknown call …).
+    #[error("the provider's stream broke the protocol: {0}")]
+    Protocol(String),
+}
+
+impl Error {
+    /// The error as recorded in `step.failed` and `retry.scheduled`.
+    pub fn info(&self) -> ErrorInfo {
+        let kind = match self {
+            Self::ContextOverflow(_) => "provider.context_overflow",
+            Self::RateLimit { .. } => "provider.rate_limit",
+            Self::Server { .. } => "provider.server",
+            Self::Auth(_) => "provider.auth",
+            Self::BadRequest(_) => "provider.bad_request",
+            Self::TransportBeforeSend(_) => "provider.transport",
+            Self::TransportAfterSend(_) => "provider.transport_after_send",
+            Self::Incomplete(_) => "provider.incomplete",
+            Self::Protocol(_) => "provider.protocol",
+        };
+        ErrorInfo::new(kind, self.to_string())
+    }
+}
+
+/// A provider's response stream.
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Error>> + Send>>;
+
+/// An LLM provider.
+pub trait Provider: Send + Sync {
+    /// Starts a request. Nothing is sent until the stream is first polled.
+    fn stream(&self, request: Request) -> EventStream;
+}
