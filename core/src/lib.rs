@@ -14,5 +14,6 @@ pub mod event;
 pub mod execution;
 pub mod inbox;
 pub mod provider;
+pub mod runner;
 pub mod store;
 pub mod tool;

@@ -849,3 +849,50 @@ impl InputRow {
         })
     }
 }
+
+/// The projected transcript of a session, in seq order.
+pub fn messages(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Message>, Error> {
+    let rows: Vec<(String, String)> = session_message::table
+        .filter(session_message::session_id.eq(session_id.to_string()))
+        .order(session_message::seq.asc())
+        .select((session_message::id, session_message::data))
+        .load(connection)?;
+    rows.into_iter()
+        .map(|(id, data)| {
+            serde_json::from_str(&data).map_err(|e| Error::Corrupt(format!("message {id}: {e}")))
+        })
+        .collect()
+}
+
+/// What the runner needs of a session row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    pub directory: String,
+    pub agent: String,
+    pub model: keel_schema::types::ModelRef,
+    pub deleted: bool,
+}
+
+/// The session's directory, agent and model, or `None` for an unknown session.
+pub fn session_info(
+    connection: &mut Conn,
+    session_id: SessionId,
+) -> Result<Option<SessionInfo>, Error> {
+    Ok(session::table
+        .find(session_id.to_string())
+        .select((
+            session::directory,
+            session::agent,
+            session::model_provider,
+            session::model_id,
+            session::deleted_at,
+        ))
+        .first::<(String, String, String, String, Option<i64>)>(connection)
+        .optional()?
+        .map(|(directory, agent, provider, id, deleted)| SessionInfo {
+            directory,
+            agent,
+            model: keel_schema::types::ModelRef { provider, id },
+            deleted: deleted.is_some(),
+        }))
+}

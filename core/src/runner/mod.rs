@@ -1,0 +1,604 @@
+//! The runner: drains a session's inbox through the model and its tools.
+//!
+//! A drain promotes input at a boundary, loads the transcript, and runs steps until the
+//! model stops or nothing is left. Every durable write goes through the fence of the
+//! execution's claim ([`crate::execution`]); after ownership is lost the runner makes no
+//! provider request, starts no tool and publishes nothing, durable or ephemeral.
+//!
+//! [`Engine`] is the coordinator's [`Work`]: `started` claims the session, `drain` runs,
+//! `cleanup` settles an interrupted execution, `settled` releases the claim with
+//! `execution.settled`. [`Runner`] is the handle the service uses.
+
+mod context;
+mod step;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use keel_schema::api::{Message, StepEnd};
+use keel_schema::event::{DurableEvent, EphemeralEnvelope, EphemeralEvent, Envelope, payload};
+use keel_schema::id::{OwnerId, RequestId, SessionId};
+use keel_schema::types::{Decision, ErrorInfo, Finish, InterruptReason, Outcome, Phase};
+use tokio::sync::{broadcast, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::coordinator::{BoxFuture, Coordinator, Request, RunError, Scope, Work};
+use crate::event::{log, projector};
+use crate::execution::{self, Claim};
+use crate::inbox::{self, Boundary, Promotion};
+use crate::provider::Provider;
+use crate::store::{self, Conn, Store};
+use crate::tool::{self, Registry};
+
+pub use step::StepSummary;
+
+/// Why a drain (or its busy period) did not finish normally.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// Another owner holds the session's claim.
+    #[error("session {0} is being run by another owner")]
+    Busy(SessionId),
+    #[error("ownership of session {0}'s execution was lost; this process stopped working on it")]
+    OwnershipLost(SessionId),
+    #[error("interrupted")]
+    Interrupted,
+    /// The model's step failed (the error is in `step.failed`).
+    #[error("the step failed: {}", .0.message)]
+    StepFailed(ErrorInfo),
+    /// The session, agent, model or provider is not usable.
+    #[error("{0}")]
+    Config(String),
+    #[error("store: {0}")]
+    Store(String),
+}
+
+impl From<store::Error> for Error {
+    fn from(e: store::Error) -> Self {
+        Self::Store(e.to_string())
+    }
+}
+
+impl From<diesel::result::Error> for Error {
+    fn from(e: diesel::result::Error) -> Self {
+        Self::Store(store::Error::from(e).to_string())
+    }
+}
+
+impl From<inbox::Error> for Error {
+    fn from(e: inbox::Error) -> Self {
+        Self::Store(e.to_string())
+    }
+}
+
+impl From<execution::Error> for Error {
+    fn from(e: execution::Error) -> Self {
+        match e {
+            execution::Error::OwnershipLost { session_id, .. } => Self::OwnershipLost(session_id),
+            execution::Error::Store(message) => Self::Store(message),
+        }
+    }
+}
+
+/// A tool's permission policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    #[default]
+    Allow,
+    /// Publish `permission.requested` and wait for a reply.
+    Ask,
+    Deny,
+}
+
+/// An agent: a system prompt, its tools' policies and a step limit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Agent {
+    pub system: String,
+    pub max_steps: u32,
+    /// Per tool; tools not named are allowed.
+    pub permissions: HashMap<String, Policy>,
+}
+
+impl Default for Agent {
+    fn default() -> Self {
+        Self {
+            system: "You are Keel's build agent, a careful software engineer. Use the tools to \
+                     inspect and change files in the session directory."
+                .into(),
+            max_steps: 50,
+            permissions: HashMap::new(),
+        }
+    }
+}
+
+/// Everything a runner needs.
+#[derive(Clone)]
+pub struct Settings {
+    pub owner: OwnerId,
+    pub lease_ms: i64,
+    pub agents: HashMap<String, Agent>,
+    /// Providers by the name models use (`provider/model`).
+    pub providers: HashMap<String, Arc<dyn Provider>>,
+    pub tools: Registry,
+    pub limits: tool::Limits,
+}
+
+/// Something published live, after its commit for durable events.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Live {
+    Durable(Envelope),
+    Ephemeral(EphemeralEnvelope),
+}
+
+/// A reply to a permission request or a question.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Permission(Decision),
+    Answer(String),
+    Dismiss,
+}
+
+/// Whether this process still owns an execution, as far as it can tell without asking the
+/// database: no fenced write failed, and the lease it last renewed has not run out.
+struct Ownership {
+    lost: AtomicBool,
+    deadline: AtomicI64,
+}
+
+impl Ownership {
+    fn new(deadline: i64) -> Self {
+        Self {
+            lost: AtomicBool::new(false),
+            deadline: AtomicI64::new(deadline),
+        }
+    }
+}
+
+/// A claim held by this process, with what it knows of its lease.
+#[derive(Clone)]
+struct Held {
+    claim: Claim,
+    ownership: Arc<Ownership>,
+}
+
+/// The coordinator's work for sessions.
+pub struct Engine {
+    store: Store,
+    settings: Settings,
+    held: Mutex<HashMap<SessionId, Held>>,
+    live: broadcast::Sender<Live>,
+    waiting: Mutex<HashMap<RequestId, oneshot::Sender<Reply>>>,
+}
+
+/// The handle the service uses to run sessions.
+#[derive(Clone)]
+pub struct Runner {
+    coordinator: Coordinator<Engine>,
+}
+
+impl Runner {
+    pub fn new(store: Store, settings: Settings) -> Self {
+        let (live, _) = broadcast::channel(4096);
+        Self {
+            coordinator: Coordinator::new(Engine {
+                store,
+                settings,
+                held: Mutex::new(HashMap::new()),
+                live,
+                waiting: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        self.coordinator.work()
+    }
+
+    /// Live events, durable ones after their commit.
+    pub fn subscribe(&self) -> broadcast::Receiver<Live> {
+        self.engine().live.subscribe()
+    }
+
+    /// Asks for a drain of the session (an advisory wake).
+    pub fn wake(&self, session: SessionId, scope: Scope) {
+        self.coordinator.wake(session, scope);
+    }
+
+    /// Runs (or joins) the session's execution and waits for its busy period to settle.
+    pub async fn run(&self, session: SessionId) -> Result<(), RunError<Error>> {
+        self.coordinator.run(session).await
+    }
+
+    /// Whether this process is running the session.
+    pub fn is_busy(&self, session: SessionId) -> bool {
+        self.coordinator.is_busy(&session)
+    }
+
+    /// Interrupts the session's execution: phase `cancelling` (fenced), then the runner's
+    /// cancellation. Returns before cleanup finishes; false when there was nothing to stop.
+    pub async fn interrupt(&self, session: SessionId) -> bool {
+        let engine = self.engine();
+        if let Some(held) = engine.held(session) {
+            let claim = held.claim;
+            let marked = engine
+                .fenced(&held, move |c, _| {
+                    execution::set_phase(c, &claim, Phase::Cancelling, None).map_err(Error::from)
+                })
+                .await;
+            if let Err(e) = marked {
+                tracing::warn!(%session, error = %e, "could not mark the execution cancelling");
+            }
+        }
+        self.coordinator.interrupt(&session)
+    }
+
+    /// Delivers a reply to a waiting permission request or question. False when nothing
+    /// in this process waits for it.
+    pub fn reply(&self, request: RequestId, reply: Reply) -> bool {
+        let waiter = lock(&self.engine().waiting).remove(&request);
+        match waiter {
+            Some(waiter) => waiter.send(reply).is_ok(),
+            None => false,
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Poisoning means a panic elsewhere mid-update of a plain map; the map itself is fine.
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Engine {
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn now(&self) -> i64 {
+        self.store.clock().now_ms()
+    }
+
+    fn held(&self, session: SessionId) -> Option<Held> {
+        lock(&self.held).get(&session).cloned()
+    }
+
+    /// Whether `held` may still act: publish output, start a tool, send a request.
+    fn owns(&self, held: &Held) -> bool {
+        !held.ownership.lost.load(Ordering::SeqCst)
+            && self.now() < held.ownership.deadline.load(Ordering::SeqCst)
+    }
+
+    /// Runs `write` behind the fence of `held`'s claim, and records what it learns about
+    /// the lease.
+    async fn fenced<T: Send + 'static>(
+        &self,
+        held: &Held,
+        write: impl FnOnce(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
+    ) -> Result<T, Error> {
+        if held.ownership.lost.load(Ordering::SeqCst) {
+            return Err(Error::OwnershipLost(held.claim.session_id));
+        }
+        let clock = self.store.clock().clone();
+        let lease = self.settings.lease_ms;
+        let claim = held.claim;
+        let result = self
+            .store
+            .write(move |c| {
+                let now = clock.now_ms();
+                execution::check(c, now, lease, &claim)?;
+                write(c, now).map(|value| (value, now))
+            })
+            .await;
+        match result {
+            Ok((value, now)) => {
+                held.ownership.deadline.store(now + lease, Ordering::SeqCst);
+                Ok(value)
+            }
+            Err(Error::OwnershipLost(session)) => {
+                held.ownership.lost.store(true, Ordering::SeqCst);
+                Err(Error::OwnershipLost(session))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Appends events behind the fence and publishes them live after the commit.
+    async fn publish(&self, held: &Held, events: Vec<DurableEvent>) -> Result<Vec<Envelope>, Error> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let session = held.claim.session_id;
+        let envelopes = self
+            .fenced(held, move |c, now| {
+                log::append(c, now, session, events).map_err(Error::from)
+            })
+            .await?;
+        self.broadcast(&envelopes);
+        Ok(envelopes)
+    }
+
+    fn broadcast(&self, envelopes: &[Envelope]) {
+        for envelope in envelopes {
+            // No subscriber is fine: live delivery is best effort, the log is the truth.
+            drop(self.live.send(Live::Durable(envelope.clone())));
+        }
+    }
+
+    /// Publishes an ephemeral event, only while this process owns the execution.
+    fn publish_ephemeral(&self, held: &Held, event: EphemeralEvent) {
+        if !self.owns(held) {
+            return;
+        }
+        drop(self.live.send(Live::Ephemeral(EphemeralEnvelope {
+            session_id: held.claim.session_id,
+            time: self.now(),
+            event,
+        })));
+    }
+
+    fn agent(&self, name: &str) -> Result<Agent, Error> {
+        match self.settings.agents.get(name) {
+            Some(agent) => Ok(agent.clone()),
+            None if name == "build" => Ok(Agent::default()),
+            None => Err(Error::Config(format!("no agent named `{name}` is configured"))),
+        }
+    }
+
+    async fn messages(&self, session: SessionId) -> Result<Vec<Message>, Error> {
+        self.store
+            .read(move |c| projector::messages(c, session).map_err(Error::from))
+            .await
+    }
+
+    /// Registers a waiter for a reply to `request`.
+    fn wait_for(&self, request: RequestId) -> oneshot::Receiver<Reply> {
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiting).insert(request, tx);
+        rx
+    }
+
+    fn forget(&self, request: RequestId) {
+        lock(&self.waiting).remove(&request);
+    }
+
+    /// Releases `held`'s claim with `execution.settled`, retrying a failed commit a few
+    /// times: a stranded claim would keep the session busy until recovery.
+    async fn release(&self, held: &Held, outcome: Outcome, error: Option<ErrorInfo>) -> Result<(), Error> {
+        let mut attempt = 0;
+        loop {
+            let claim = held.claim;
+            let lease = self.settings.lease_ms;
+            let error = error.clone();
+            let clock = self.store.clock().clone();
+            let result = self
+                .store
+                .write(move |c| {
+                    execution::release(c, clock.now_ms(), lease, &claim, outcome, error)
+                        .map_err(Error::from)
+                })
+                .await;
+            match result {
+                Ok(envelope) => {
+                    self.broadcast(std::slice::from_ref(&envelope));
+                    return Ok(());
+                }
+                Err(Error::Store(message)) if attempt < 3 => {
+                    attempt += 1;
+                    tracing::warn!(session = %claim.session_id, %message, attempt, "releasing the claim failed; retrying");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One drain: promotion at boundaries, steps until the model stops or nothing is left.
+    async fn drain_session(
+        &self,
+        session: SessionId,
+        request: Request,
+        cancel: CancellationToken,
+    ) -> Result<(), Error> {
+        let held = self.held(session).ok_or(Error::OwnershipLost(session))?;
+        let mut boundary = Boundary::Idle;
+        let mut step_number = 0u32;
+        let mut first = true;
+        loop {
+            if cancel.is_cancelled() {
+                return Err(Error::Interrupted);
+            }
+            let (promotion, envelopes) = self
+                .fenced(&held, move |c, now| {
+                    let before = log::last_seq(c, session)?.unwrap_or(0);
+                    let promotion = inbox::promote(c, now, session, boundary)?;
+                    let written = log::read(c, session, before, u32::MAX)?;
+                    Ok((promotion, written))
+                })
+                .await?;
+            self.broadcast(&envelopes);
+            let promoted = match &promotion {
+                Promotion::Nothing => false,
+                Promotion::Prompts(_) => {
+                    if boundary == Boundary::Idle {
+                        step_number = 0;
+                    }
+                    true
+                }
+                Promotion::Control(input) => {
+                    // Compaction is carried out by the compaction work; until it exists the
+                    // request is recorded as failed, so it neither blocks nor vanishes.
+                    let input_id = input.id;
+                    self.publish(&held, vec![
+                        DurableEvent::CompactionStarted(payload::CompactionStarted {
+                            reason: keel_schema::types::CompactionReason::Manual,
+                            input_id: Some(input_id),
+                        }),
+                        DurableEvent::CompactionFailed(payload::CompactionFailed {
+                            error: ErrorInfo::new(
+                                "compaction.unavailable",
+                                "compaction is not built yet; the history is unchanged",
+                            ),
+                        }),
+                    ])
+                    .await?;
+                    continue;
+                }
+            };
+            let messages = self.messages(session).await?;
+            let go = promoted
+                || boundary == Boundary::Step
+                || awaits_model(&messages, first && request.force);
+            first = false;
+            if !go {
+                return Ok(());
+            }
+            step_number += 1;
+            let summary = self
+                .step(&held, step_number, messages, &cancel)
+                .await?;
+            boundary = if summary.continues() {
+                Boundary::Step
+            } else {
+                Boundary::Idle
+            };
+        }
+    }
+}
+
+/// Whether the transcript waits for the model: its last message is the user's, or the
+/// model's last step asked for tools. `resume` also continues a step that was cut short.
+fn awaits_model(messages: &[Message], resume: bool) -> bool {
+    match messages.last() {
+        None => false,
+        Some(Message::User { .. } | Message::Synthetic { .. }) => true,
+        Some(Message::Summary { .. }) => resume,
+        Some(Message::Assistant { end, .. }) => match end {
+            Some(StepEnd::Ended {
+                finish: Finish::ToolCalls,
+            }) => true,
+            Some(StepEnd::Interrupted { .. } | StepEnd::Recovered { .. } | StepEnd::Failed { .. }) => {
+                resume
+            }
+            Some(StepEnd::Ended { .. }) | None => false,
+        },
+    }
+}
+
+impl Work for Engine {
+    type Key = SessionId;
+    type Error = Error;
+
+    fn started<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            let (owner, lease) = (self.settings.owner, self.settings.lease_ms);
+            let clock = self.store.clock().clone();
+            let session = *session;
+            let acquired = self
+                .store
+                .write(move |c| {
+                    execution::acquire(c, clock.now_ms(), lease, session, owner)
+                        .map(|claimed| claimed.map(|(claim, envelope)| (claim, envelope, clock.now_ms())))
+                })
+                .await?;
+            let Some((claim, envelope, now)) = acquired else {
+                return Err(Error::Busy(session));
+            };
+            self.broadcast(std::slice::from_ref(&envelope));
+            lock(&self.held).insert(session, Held {
+                claim,
+                ownership: Arc::new(Ownership::new(now + lease)),
+            });
+            Ok(())
+        })
+    }
+
+    fn drain<'a>(
+        &'a self,
+        session: &'a SessionId,
+        request: Request,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(self.drain_session(*session, request, cancel))
+    }
+
+    fn cleanup<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            let Some(held) = self.held(*session) else {
+                return Ok(());
+            };
+            // One fenced transaction: an incomplete assistant gets exactly one
+            // `step.interrupted`; then the claim is released.
+            let session = *session;
+            let claim = held.claim;
+            let lease = self.settings.lease_ms;
+            let clock = self.store.clock().clone();
+            let written = self
+                .store
+                .write(move |c| {
+                    let now = clock.now_ms();
+                    execution::check(c, now, lease, &claim)?;
+                    let mut envelopes = Vec::new();
+                    let row = execution::get(c, session)?;
+                    if let Some(assistant) = row.and_then(|r| r.assistant_message_id) {
+                        let open = projector::messages(c, session)?.into_iter().any(|m| {
+                            matches!(m, Message::Assistant { id, end: None, .. } if id == assistant)
+                        });
+                        if open {
+                            envelopes.extend(log::append(c, now, session, vec![
+                                DurableEvent::StepInterrupted(payload::StepInterrupted {
+                                    assistant_message_id: assistant,
+                                    reason: InterruptReason::User,
+                                }),
+                            ])?);
+                        }
+                    }
+                    envelopes.push(execution::release(
+                        c,
+                        now,
+                        lease,
+                        &claim,
+                        Outcome::Interrupted,
+                        None,
+                    )?);
+                    Ok::<_, Error>(envelopes)
+                })
+                .await;
+            match written {
+                Ok(envelopes) => {
+                    lock(&self.held).remove(&session);
+                    self.broadcast(&envelopes);
+                    Ok(())
+                }
+                Err(e) => {
+                    // The claim stays (in `cancelling`) for recovery; the cause surfaces.
+                    lock(&self.held).remove(&session);
+                    tracing::error!(%session, error = %e, "cleaning up an interrupted execution failed");
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn settled<'a>(
+        &'a self,
+        session: &'a SessionId,
+        outcome: &'a Result<(), Error>,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(held) = lock(&self.held).remove(session) else {
+                return;
+            };
+            let (outcome, error) = match outcome {
+                Ok(()) => (Outcome::Succeeded, None),
+                Err(Error::OwnershipLost(_)) => {
+                    tracing::warn!(%session, "ownership lost; leaving the execution to its new owner");
+                    return;
+                }
+                Err(Error::Interrupted) => (Outcome::Interrupted, None),
+                Err(Error::StepFailed(info)) => (Outcome::Failed, Some(info.clone())),
+                Err(e) => (Outcome::Failed, Some(ErrorInfo::new("execution.failed", e.to_string()))),
+            };
+            if let Err(e) = self.release(&held, outcome, error).await {
+                tracing::error!(%session, error = %e, "the claim could not be released; recovery will take it");
+            }
+        })
+    }
+}
