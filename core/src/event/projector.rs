@@ -896,3 +896,24 @@ pub fn session_info(
             deleted: deleted.is_some(),
         }))
 }
+
+/// The calls of an assistant message that are neither completed nor failed.
+pub fn unresolved_tools(
+    connection: &mut Conn,
+    session_id: SessionId,
+    message_id: MessageId,
+) -> Result<Vec<CallId>, Error> {
+    let ids: Vec<String> = session_tool::table
+        .filter(session_tool::session_id.eq(session_id.to_string()))
+        .filter(session_tool::message_id.eq(message_id.to_string()))
+        .filter(session_tool::status.eq_any(["pending", "running"]))
+        .order(session_tool::call_id.asc())
+        .select(session_tool::call_id)
+        .load(connection)?;
+    ids.into_iter()
+        .map(|id| {
+            id.parse()
+                .map_err(|e| Error::Corrupt(format!("tool call id {id}: {e}")))
+        })
+        .collect()
+}

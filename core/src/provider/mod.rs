@@ -33,10 +33,16 @@ pub enum ToolChoice {
 /// One entry of the transcript sent to the model.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Turn {
-    User { parts: Vec<Part> },
-    Assistant { items: Vec<AssistantItem> },
+    User {
+        parts: Vec<Part>,
+    },
+    Assistant {
+        items: Vec<AssistantItem>,
+    },
     /// Exactly one result per call of the preceding assistant turn.
-    ToolResults { results: Vec<ToolResult> },
+    ToolResults {
+        results: Vec<ToolResult>,
+    },
 }
 
 /// Part of an assistant turn, replayed to the provider.

@@ -208,10 +208,18 @@ impl Provider for Scripted {
                 }
                 Item::Reasoning { text, metadata } => {
                     push(&mut steps, &mut delay, Ok(Event::ReasoningStart));
-                    push(&mut steps, &mut delay, Ok(Event::ReasoningDelta(text.clone())));
-                    push(&mut steps, &mut delay, Ok(Event::ReasoningEnd {
-                        metadata: metadata.clone(),
-                    }));
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::ReasoningDelta(text.clone())),
+                    );
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::ReasoningEnd {
+                            metadata: metadata.clone(),
+                        }),
+                    );
                 }
                 Item::ToolCall {
                     name,
@@ -222,21 +230,37 @@ impl Provider for Scripted {
                     called = true;
                     let id = id.clone().unwrap_or_else(default_id);
                     let text = raw.clone().unwrap_or_else(|| input.to_string());
-                    push(&mut steps, &mut delay, Ok(Event::ToolInputStart {
-                        id: id.clone(),
-                        name: name.clone(),
-                    }));
-                    push(&mut steps, &mut delay, Ok(Event::ToolInputDelta {
-                        id: id.clone(),
-                        delta: text.clone(),
-                    }));
-                    push(&mut steps, &mut delay, Ok(Event::ToolInputEnd { id: id.clone() }));
-                    push(&mut steps, &mut delay, Ok(Event::ToolCall {
-                        id,
-                        name: name.clone(),
-                        input: text,
-                        provider_executed: false,
-                    }));
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::ToolInputStart {
+                            id: id.clone(),
+                            name: name.clone(),
+                        }),
+                    );
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::ToolInputDelta {
+                            id: id.clone(),
+                            delta: text.clone(),
+                        }),
+                    );
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::ToolInputEnd { id: id.clone() }),
+                    );
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::ToolCall {
+                            id,
+                            name: name.clone(),
+                            input: text,
+                            provider_executed: false,
+                        }),
+                    );
                 }
                 Item::HostedTool {
                     name,
@@ -245,21 +269,29 @@ impl Provider for Scripted {
                     id,
                 } => {
                     let id = id.clone().unwrap_or_else(default_id);
-                    push(&mut steps, &mut delay, Ok(Event::ToolCall {
-                        id: id.clone(),
-                        name: name.clone(),
-                        input: input.to_string(),
-                        provider_executed: true,
-                    }));
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::ToolCall {
+                            id: id.clone(),
+                            name: name.clone(),
+                            input: input.to_string(),
+                            provider_executed: true,
+                        }),
+                    );
                     if let Some(result) = result {
-                        push(&mut steps, &mut delay, Ok(Event::ToolResult {
-                            id,
-                            result: result.clone(),
-                            content: vec![ToolContent::Text {
-                                text: result.to_string(),
-                            }],
-                            error: None,
-                        }));
+                        push(
+                            &mut steps,
+                            &mut delay,
+                            Ok(Event::ToolResult {
+                                id,
+                                result: result.clone(),
+                                content: vec![ToolContent::Text {
+                                    text: result.to_string(),
+                                }],
+                                error: None,
+                            }),
+                        );
                     }
                 }
                 Item::Error {
@@ -290,10 +322,14 @@ impl Provider for Scripted {
                 }
                 Item::Finish { reason, usage } => {
                     let usage = usage.unwrap_or_else(|| usage_for(&request, &said));
-                    push(&mut steps, &mut delay, Ok(Event::Finish {
-                        finish: *reason,
-                        usage,
-                    }));
+                    push(
+                        &mut steps,
+                        &mut delay,
+                        Ok(Event::Finish {
+                            finish: *reason,
+                            usage,
+                        }),
+                    );
                     finished = true;
                     break;
                 }
@@ -308,11 +344,13 @@ impl Provider for Scripted {
             let usage = usage_for(&request, &said);
             push(&mut steps, &mut delay, Ok(Event::Finish { finish, usage }));
         }
-        Box::pin(futures::stream::iter(steps).then(|(delay, item)| async move {
-            if delay > 0 {
-                tokio::time::sleep(Duration::from_millis(delay)).await;
-            }
-            item
-        }))
+        Box::pin(
+            futures::stream::iter(steps).then(|(delay, item)| async move {
+                if delay > 0 {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                item
+            }),
+        )
     }
 }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use keel_schema::api::{Message, StepEnd};
-use keel_schema::event::{DurableEvent, EphemeralEnvelope, EphemeralEvent, Envelope, payload};
+use keel_schema::event::{DurableEvent, Envelope, EphemeralEnvelope, EphemeralEvent, payload};
 use keel_schema::id::{OwnerId, RequestId, SessionId};
 use keel_schema::types::{Decision, ErrorInfo, Finish, InterruptReason, Outcome, Phase};
 use tokio::sync::{broadcast, oneshot};
@@ -245,7 +245,9 @@ impl Runner {
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Poisoning means a panic elsewhere mid-update of a plain map; the map itself is fine.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Engine {
@@ -302,7 +304,11 @@ impl Engine {
     }
 
     /// Appends events behind the fence and publishes them live after the commit.
-    async fn publish(&self, held: &Held, events: Vec<DurableEvent>) -> Result<Vec<Envelope>, Error> {
+    async fn publish(
+        &self,
+        held: &Held,
+        events: Vec<DurableEvent>,
+    ) -> Result<Vec<Envelope>, Error> {
         if events.is_empty() {
             return Ok(Vec::new());
         }
@@ -339,7 +345,9 @@ impl Engine {
         match self.settings.agents.get(name) {
             Some(agent) => Ok(agent.clone()),
             None if name == "build" => Ok(Agent::default()),
-            None => Err(Error::Config(format!("no agent named `{name}` is configured"))),
+            None => Err(Error::Config(format!(
+                "no agent named `{name}` is configured"
+            ))),
         }
     }
 
@@ -356,13 +364,14 @@ impl Engine {
         rx
     }
 
-    fn forget(&self, request: RequestId) {
-        lock(&self.waiting).remove(&request);
-    }
-
     /// Releases `held`'s claim with `execution.settled`, retrying a failed commit a few
     /// times: a stranded claim would keep the session busy until recovery.
-    async fn release(&self, held: &Held, outcome: Outcome, error: Option<ErrorInfo>) -> Result<(), Error> {
+    async fn release(
+        &self,
+        held: &Held,
+        outcome: Outcome,
+        error: Option<ErrorInfo>,
+    ) -> Result<(), Error> {
         let mut attempt = 0;
         loop {
             let claim = held.claim;
@@ -426,18 +435,21 @@ impl Engine {
                     // Compaction is carried out by the compaction work; until it exists the
                     // request is recorded as failed, so it neither blocks nor vanishes.
                     let input_id = input.id;
-                    self.publish(&held, vec![
-                        DurableEvent::CompactionStarted(payload::CompactionStarted {
-                            reason: keel_schema::types::CompactionReason::Manual,
-                            input_id: Some(input_id),
-                        }),
-                        DurableEvent::CompactionFailed(payload::CompactionFailed {
-                            error: ErrorInfo::new(
-                                "compaction.unavailable",
-                                "compaction is not built yet; the history is unchanged",
-                            ),
-                        }),
-                    ])
+                    self.publish(
+                        &held,
+                        vec![
+                            DurableEvent::CompactionStarted(payload::CompactionStarted {
+                                reason: keel_schema::types::CompactionReason::Manual,
+                                input_id: Some(input_id),
+                            }),
+                            DurableEvent::CompactionFailed(payload::CompactionFailed {
+                                error: ErrorInfo::new(
+                                    "compaction.unavailable",
+                                    "compaction is not built yet; the history is unchanged",
+                                ),
+                            }),
+                        ],
+                    )
                     .await?;
                     continue;
                 }
@@ -451,9 +463,7 @@ impl Engine {
                 return Ok(());
             }
             step_number += 1;
-            let summary = self
-                .step(&held, step_number, messages, &cancel)
-                .await?;
+            let summary = self.step(&held, step_number, messages, &cancel).await?;
             boundary = if summary.continues() {
                 Boundary::Step
             } else {
@@ -474,9 +484,9 @@ fn awaits_model(messages: &[Message], resume: bool) -> bool {
             Some(StepEnd::Ended {
                 finish: Finish::ToolCalls,
             }) => true,
-            Some(StepEnd::Interrupted { .. } | StepEnd::Recovered { .. } | StepEnd::Failed { .. }) => {
-                resume
-            }
+            Some(
+                StepEnd::Interrupted { .. } | StepEnd::Recovered { .. } | StepEnd::Failed { .. },
+            ) => resume,
             Some(StepEnd::Ended { .. }) | None => false,
         },
     }
@@ -494,18 +504,22 @@ impl Work for Engine {
             let acquired = self
                 .store
                 .write(move |c| {
-                    execution::acquire(c, clock.now_ms(), lease, session, owner)
-                        .map(|claimed| claimed.map(|(claim, envelope)| (claim, envelope, clock.now_ms())))
+                    execution::acquire(c, clock.now_ms(), lease, session, owner).map(|claimed| {
+                        claimed.map(|(claim, envelope)| (claim, envelope, clock.now_ms()))
+                    })
                 })
                 .await?;
             let Some((claim, envelope, now)) = acquired else {
                 return Err(Error::Busy(session));
             };
             self.broadcast(std::slice::from_ref(&envelope));
-            lock(&self.held).insert(session, Held {
-                claim,
-                ownership: Arc::new(Ownership::new(now + lease)),
-            });
+            lock(&self.held).insert(
+                session,
+                Held {
+                    claim,
+                    ownership: Arc::new(Ownership::new(now + lease)),
+                },
+            );
             Ok(())
         })
     }
@@ -542,12 +556,15 @@ impl Work for Engine {
                             matches!(m, Message::Assistant { id, end: None, .. } if id == assistant)
                         });
                         if open {
-                            envelopes.extend(log::append(c, now, session, vec![
-                                DurableEvent::StepInterrupted(payload::StepInterrupted {
+                            envelopes.extend(log::append(
+                                c,
+                                now,
+                                session,
+                                vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
                                     assistant_message_id: assistant,
                                     reason: InterruptReason::User,
-                                }),
-                            ])?);
+                                })],
+                            )?);
                         }
                     }
                     envelopes.push(execution::release(
@@ -594,7 +611,10 @@ impl Work for Engine {
                 }
                 Err(Error::Interrupted) => (Outcome::Interrupted, None),
                 Err(Error::StepFailed(info)) => (Outcome::Failed, Some(info.clone())),
-                Err(e) => (Outcome::Failed, Some(ErrorInfo::new("execution.failed", e.to_string()))),
+                Err(e) => (
+                    Outcome::Failed,
+                    Some(ErrorInfo::new("execution.failed", e.to_string())),
+                ),
             };
             if let Err(e) = self.release(&held, outcome, error).await {
                 tracing::error!(%session, error = %e, "the claim could not be released; recovery will take it");

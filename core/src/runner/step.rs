@@ -140,31 +140,34 @@ impl Publisher {
                 let ordinal = self.texts;
                 self.texts += 1;
                 self.text = Some((ordinal, String::new()));
-                out.durable.push(DurableEvent::TextStarted(payload::TextStarted {
-                    assistant_message_id,
-                    ordinal,
-                }));
+                out.durable
+                    .push(DurableEvent::TextStarted(payload::TextStarted {
+                        assistant_message_id,
+                        ordinal,
+                    }));
             }
             Event::TextDelta(delta) => {
                 let Some((ordinal, text)) = &mut self.text else {
                     return Err(protocol("text arrived with no open text fragment"));
                 };
                 text.push_str(&delta);
-                out.ephemeral.push(EphemeralEvent::TextDelta(payload::TextDelta {
-                    assistant_message_id,
-                    ordinal: *ordinal,
-                    delta,
-                }));
+                out.ephemeral
+                    .push(EphemeralEvent::TextDelta(payload::TextDelta {
+                        assistant_message_id,
+                        ordinal: *ordinal,
+                        delta,
+                    }));
             }
             Event::TextEnd => {
                 let Some((ordinal, text)) = self.text.take() else {
                     return Err(protocol("a text fragment ended that was not open"));
                 };
-                out.durable.push(DurableEvent::TextEnded(payload::TextEnded {
-                    assistant_message_id,
-                    ordinal,
-                    text,
-                }));
+                out.durable
+                    .push(DurableEvent::TextEnded(payload::TextEnded {
+                        assistant_message_id,
+                        ordinal,
+                        text,
+                    }));
             }
             Event::ReasoningStart => {
                 if self.reasoning.is_some() {
@@ -182,7 +185,9 @@ impl Publisher {
             }
             Event::ReasoningDelta(delta) => {
                 let Some((ordinal, text)) = &mut self.reasoning else {
-                    return Err(protocol("reasoning arrived with no open reasoning fragment"));
+                    return Err(protocol(
+                        "reasoning arrived with no open reasoning fragment",
+                    ));
                 };
                 text.push_str(&delta);
                 out.ephemeral
@@ -196,12 +201,13 @@ impl Publisher {
                 let Some((ordinal, text)) = self.reasoning.take() else {
                     return Err(protocol("a reasoning fragment ended that was not open"));
                 };
-                out.durable.push(DurableEvent::ReasoningEnded(payload::ReasoningEnded {
-                    assistant_message_id,
-                    ordinal,
-                    text,
-                    provider_metadata: metadata,
-                }));
+                out.durable
+                    .push(DurableEvent::ReasoningEnded(payload::ReasoningEnded {
+                        assistant_message_id,
+                        ordinal,
+                        text,
+                        provider_metadata: metadata,
+                    }));
             }
             Event::ToolInputStart { id, name } => {
                 if self.inputs.contains_key(&id) || self.calls.contains_key(&id) {
@@ -218,7 +224,9 @@ impl Publisher {
             }
             Event::ToolInputDelta { id, delta } => {
                 let Some((call_id, raw)) = self.inputs.get_mut(&id) else {
-                    return Err(protocol(format!("input for tool call `{id}` that never started")));
+                    return Err(protocol(format!(
+                        "input for tool call `{id}` that never started"
+                    )));
                 };
                 raw.push_str(&delta);
                 out.ephemeral
@@ -231,11 +239,12 @@ impl Publisher {
                 let Some((call_id, raw)) = self.inputs.get(&id) else {
                     return Err(protocol(format!("tool call `{id}` ended without starting")));
                 };
-                out.durable.push(DurableEvent::ToolInputEnded(payload::ToolInputEnded {
-                    assistant_message_id,
-                    call_id: *call_id,
-                    text: raw.clone(),
-                }));
+                out.durable
+                    .push(DurableEvent::ToolInputEnded(payload::ToolInputEnded {
+                        assistant_message_id,
+                        call_id: *call_id,
+                        text: raw.clone(),
+                    }));
             }
             Event::ToolCall {
                 id,
@@ -252,15 +261,16 @@ impl Publisher {
                     .map_or_else(CallId::new, |(call_id, _)| call_id);
                 let parsed = serde_json::from_str::<Value>(&input).map_err(|e| e.to_string());
                 let effect = self.known.get(&name).copied().unwrap_or(Effect::Read);
-                out.durable.push(DurableEvent::ToolCalled(payload::ToolCalled {
-                    assistant_message_id,
-                    call_id,
-                    name: name.clone(),
-                    input: parsed.clone().unwrap_or(Value::String(input)),
-                    provider_executed,
-                    effect,
-                    provider_call_id: Some(id.clone()),
-                }));
+                out.durable
+                    .push(DurableEvent::ToolCalled(payload::ToolCalled {
+                        assistant_message_id,
+                        call_id,
+                        name: name.clone(),
+                        input: parsed.clone().unwrap_or(Value::String(input)),
+                        provider_executed,
+                        effect,
+                        provider_call_id: Some(id.clone()),
+                    }));
                 let failure = match &parsed {
                     _ if provider_executed => None,
                     Err(e) => Some(ErrorInfo::new(
@@ -280,7 +290,10 @@ impl Publisher {
                 let resolved = failure.is_some();
                 if let Some(error) = failure {
                     out.durable
-                        .push(DurableEvent::ToolFailed(payload::ToolFailed { call_id, error }));
+                        .push(DurableEvent::ToolFailed(payload::ToolFailed {
+                            call_id,
+                            error,
+                        }));
                 } else if !provider_executed {
                     out.launch.push(Launch {
                         call_id,
@@ -288,12 +301,15 @@ impl Publisher {
                         input: parsed.unwrap_or(Value::Null),
                     });
                 }
-                self.calls.insert(id, Call {
-                    call_id,
-                    name,
-                    hosted: provider_executed,
-                    resolved,
-                });
+                self.calls.insert(
+                    id,
+                    Call {
+                        call_id,
+                        name,
+                        hosted: provider_executed,
+                        resolved,
+                    },
+                );
             }
             Event::ToolResult {
                 id,
@@ -463,14 +479,17 @@ impl Engine {
         let (agent_name, model) = (info.agent.clone(), info.model.clone());
         let started = self
             .fenced(held, move |c, now| {
-                let envelopes = crate::event::log::append(c, now, session, vec![
-                    DurableEvent::StepStarted(payload::StepStarted {
+                let envelopes = crate::event::log::append(
+                    c,
+                    now,
+                    session,
+                    vec![DurableEvent::StepStarted(payload::StepStarted {
                         assistant_message_id: assistant,
                         step: step_number,
                         agent: agent_name,
                         model,
-                    }),
-                ])?;
+                    })],
+                )?;
                 let seq = envelopes.first().map_or(0, |e| e.seq);
                 execution::set_phase(c, &claim, Phase::Running, Some((assistant, seq)))?;
                 Ok(envelopes)
@@ -484,140 +503,196 @@ impl Engine {
             return Err(Error::OwnershipLost(session));
         }
 
-        let directory = std::fs::canonicalize(&info.directory).map_err(|e| {
-            format!("the session directory {} is not usable: {e}", info.directory)
-        });
         let tool_cancel = cancel.child_token();
-        let mut publisher = Publisher::new(assistant, known, last_step);
-        let mut tasks: JoinSet<(CallId, Done)> = JoinSet::new();
-        let mut stream = provider.stream(request);
-        let mut stream_open = true;
-        let mut interrupted = false;
-        let mut failure: Option<provider::Error> = None;
-        let mut stop: Option<InterruptReason> = None;
-        let mut called_tools = false;
-        let mut pending_deltas: Vec<EphemeralEvent> = Vec::new();
+        let result: Result<StepSummary, Error> = async {
+            let directory = std::fs::canonicalize(&info.directory).map_err(|e| {
+                format!("the session directory {} is not usable: {e}", info.directory)
+            });
+            let mut publisher = Publisher::new(assistant, known, last_step);
+            let mut tasks: JoinSet<(CallId, Done)> = JoinSet::new();
+            let mut stream = provider.stream(request);
+            let mut stream_open = true;
+            let mut interrupted = false;
+            let mut failure: Option<provider::Error> = None;
+            let mut stop: Option<InterruptReason> = None;
+            let mut called_tools = false;
+            let mut pending_deltas: Vec<EphemeralEvent> = Vec::new();
 
-        loop {
-            if !stream_open && tasks.is_empty() {
-                break;
-            }
-            tokio::select! {
-                biased;
-                () = cancel.cancelled(), if !interrupted => {
-                    interrupted = true;
-                    stream_open = false;
-                    tool_cancel.cancel();
+            loop {
+                if !stream_open && tasks.is_empty() {
+                    break;
                 }
-                Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
-                    let (call_id, done) = joined.map_err(|e| Error::Store(format!("a tool task failed: {e}")))?;
-                    if let Some(reason) = self
-                        .settle_call(held, &agent, directory.as_ref().ok(), call_id, done, &tool_cancel, &mut tasks, interrupted)
-                        .await?
-                    {
-                        stop.get_or_insert(reason);
+                tokio::select! {
+                    biased;
+                    () = cancel.cancelled(), if !interrupted => {
+                        interrupted = true;
+                        stream_open = false;
+                        tool_cancel.cancel();
                     }
-                }
-                item = stream.next(), if stream_open => {
-                    let mut item = item;
-                    // Take everything the stream has ready, so deltas go out batched.
-                    loop {
-                        match item {
-                            None => {
-                                stream_open = false;
-                                break;
-                            }
-                            Some(Err(e)) => {
-                                failure = Some(e);
-                                stream_open = false;
-                                break;
-                            }
-                            Some(Ok(event)) => match publisher.accept(event) {
-                                Err(e) => {
+                    Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                        let (call_id, done) = joined.map_err(|e| Error::Store(format!("a tool task failed: {e}")))?;
+                        if let Some(reason) = self
+                            .settle_call(held, directory.as_ref().ok(), call_id, done, &tool_cancel, &mut tasks, interrupted)
+                            .await?
+                        {
+                            stop.get_or_insert(reason);
+                        }
+                    }
+                    item = stream.next(), if stream_open => {
+                        let mut item = item;
+                        // Take everything the stream has ready, so deltas go out batched.
+                        loop {
+                            match item {
+                                None => {
+                                    stream_open = false;
+                                    break;
+                                }
+                                Some(Err(e)) => {
                                     failure = Some(e);
                                     stream_open = false;
                                     break;
                                 }
-                                Ok(actions) => {
-                                    if !actions.durable.is_empty() {
-                                        self.flush(held, &mut pending_deltas);
-                                        self.publish(held, actions.durable).await?;
+                                Some(Ok(event)) => match publisher.accept(event) {
+                                    Err(e) => {
+                                        failure = Some(e);
+                                        stream_open = false;
+                                        break;
                                     }
-                                    pending_deltas.extend(actions.ephemeral);
-                                    for launch in actions.launch {
-                                        called_tools = true;
-                                        self.launch(held, &agent, directory.as_ref(), launch, &tool_cancel, &mut tasks).await?;
+                                    Ok(actions) => {
+                                        if !actions.durable.is_empty() {
+                                            self.flush(held, &mut pending_deltas);
+                                            self.publish(held, actions.durable).await?;
+                                        }
+                                        pending_deltas.extend(actions.ephemeral);
+                                        for launch in actions.launch {
+                                            called_tools = true;
+                                            self.launch(held, &agent, directory.as_ref(), launch, &tool_cancel, &mut tasks).await?;
+                                        }
                                     }
-                                }
-                            },
+                                },
+                            }
+                            match stream.next().now_or_never() {
+                                Some(next) => item = next,
+                                None => break,
+                            }
                         }
-                        match stream.next().now_or_never() {
-                            Some(next) => item = next,
-                            None => break,
-                        }
+                        self.flush(held, &mut pending_deltas);
                     }
-                    self.flush(held, &mut pending_deltas);
+                }
+            }
+            self.flush(held, &mut pending_deltas);
+
+            if interrupted {
+                self.publish(held, vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
+                    assistant_message_id: assistant,
+                    reason: InterruptReason::User,
+                })])
+                .await?;
+                return Err(Error::Interrupted);
+            }
+            let mut closing = publisher.close();
+            if failure.is_none() && publisher.finish.is_none() {
+                failure = Some(provider::Error::Incomplete(
+                    "the stream ended without a finish".into(),
+                ));
+            }
+            let (summary, end) = match (failure, stop) {
+                (_, Some(reason)) => (
+                    StepSummary {
+                        finish: publisher.finish.map(|(f, _)| f),
+                        called_tools,
+                        stopped: true,
+                    },
+                    DurableEvent::StepInterrupted(payload::StepInterrupted {
+                        assistant_message_id: assistant,
+                        reason,
+                    }),
+                ),
+                (Some(error), None) => {
+                    let info = error.info();
+                    closing.push(DurableEvent::StepFailed(payload::StepFailed {
+                        assistant_message_id: assistant,
+                        error: info.clone(),
+                        usage: publisher.finish.map(|(_, u)| u),
+                    }));
+                    self.publish(held, closing).await?;
+                    return Err(Error::StepFailed(info));
+                }
+                (None, None) => {
+                    let (finish, usage) = publisher.finish.unwrap_or((Finish::Other, Usage::default()));
+                    (
+                        StepSummary {
+                            finish: Some(finish),
+                            called_tools,
+                            stopped: false,
+                        },
+                        DurableEvent::StepEnded(payload::StepEnded {
+                            assistant_message_id: assistant,
+                            finish,
+                            usage,
+                            cost: 0.0,
+                        }),
+                    )
+                }
+            };
+            closing.push(end);
+            self.publish(held, closing).await?;
+            Ok(summary)
+        }
+        .await;
+        match result {
+            Err(error @ (Error::Store(_) | Error::Config(_))) => {
+                // Any write of the step may have failed; settle it so it ends with exactly
+                // one terminal event and no call left running.
+                tool_cancel.cancel();
+                self.fail_step(held, assistant, &error).await;
+                Err(error)
+            }
+            other => other,
+        }
+    }
+
+    /// Fails a step that broke off: every unresolved call, then `step.failed`, in one
+    /// fenced transaction, retried a few times.
+    async fn fail_step(&self, held: &Held, assistant: MessageId, cause: &Error) {
+        let session = held.claim.session_id;
+        let error = ErrorInfo::new("execution.failed", cause.to_string());
+        for attempt in 0..4 {
+            let error = error.clone();
+            let written = self
+                .fenced(held, move |c, now| {
+                    let open = projector::unresolved_tools(c, session, assistant)?;
+                    let mut events: Vec<DurableEvent> = open
+                        .into_iter()
+                        .map(|call_id| {
+                            DurableEvent::ToolFailed(payload::ToolFailed {
+                                call_id,
+                                error: ErrorInfo::new(
+                                    "tool.step-failed",
+                                    "the step failed before this call's result was recorded",
+                                ),
+                            })
+                        })
+                        .collect();
+                    events.push(DurableEvent::StepFailed(payload::StepFailed {
+                        assistant_message_id: assistant,
+                        error,
+                        usage: None,
+                    }));
+                    crate::event::log::append(c, now, session, events).map_err(Error::from)
+                })
+                .await;
+            match written {
+                Ok(envelopes) => {
+                    self.broadcast(&envelopes);
+                    return;
+                }
+                Err(Error::OwnershipLost(_)) => return,
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, attempt, "failing the broken step failed");
                 }
             }
         }
-        self.flush(held, &mut pending_deltas);
-
-        if interrupted {
-            self.publish(held, vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
-                assistant_message_id: assistant,
-                reason: InterruptReason::User,
-            })])
-            .await?;
-            return Err(Error::Interrupted);
-        }
-        let mut closing = publisher.close();
-        if failure.is_none() && publisher.finish.is_none() {
-            failure = Some(provider::Error::Incomplete(
-                "the stream ended without a finish".into(),
-            ));
-        }
-        let (summary, end) = match (failure, stop) {
-            (_, Some(reason)) => (
-                StepSummary {
-                    finish: publisher.finish.map(|(f, _)| f),
-                    called_tools,
-                    stopped: true,
-                },
-                DurableEvent::StepInterrupted(payload::StepInterrupted {
-                    assistant_message_id: assistant,
-                    reason,
-                }),
-            ),
-            (Some(error), None) => {
-                let info = error.info();
-                closing.push(DurableEvent::StepFailed(payload::StepFailed {
-                    assistant_message_id: assistant,
-                    error: info.clone(),
-                    usage: publisher.finish.map(|(_, u)| u),
-                }));
-                self.publish(held, closing).await?;
-                return Err(Error::StepFailed(info));
-            }
-            (None, None) => {
-                let (finish, usage) = publisher.finish.unwrap_or((Finish::Other, Usage::default()));
-                (
-                    StepSummary {
-                        finish: Some(finish),
-                        called_tools,
-                        stopped: false,
-                    },
-                    DurableEvent::StepEnded(payload::StepEnded {
-                        assistant_message_id: assistant,
-                        finish,
-                        usage,
-                        cost: 0.0,
-                    }),
-                )
-            }
-        };
-        closing.push(end);
-        self.publish(held, closing).await?;
-        Ok(summary)
     }
 
     fn flush(&self, held: &Held, pending: &mut Vec<EphemeralEvent>) {
@@ -641,19 +716,29 @@ impl Engine {
         }
         let call_id = launch.call_id;
         if launch.name == QUESTION {
-            let question = launch.input["question"].as_str().unwrap_or_default().to_owned();
+            let question = launch.input["question"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
             let options: Vec<String> = launch.input["options"]
                 .as_array()
-                .map(|o| o.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+                .map(|o| {
+                    o.iter()
+                        .filter_map(|v| v.as_str().map(str::to_owned))
+                        .collect()
+                })
                 .unwrap_or_default();
             let request = RequestId::new();
             let reply = self.wait_for(request);
-            self.publish(held, vec![DurableEvent::QuestionAsked(payload::QuestionAsked {
-                request_id: request,
-                call_id,
-                question,
-                options,
-            })])
+            self.publish(
+                held,
+                vec![DurableEvent::QuestionAsked(payload::QuestionAsked {
+                    request_id: request,
+                    call_id,
+                    question,
+                    options,
+                })],
+            )
             .await?;
             let cancel = cancel.clone();
             tasks.spawn(async move {
@@ -669,7 +754,11 @@ impl Engine {
             });
             return Ok(());
         }
-        let policy = agent.permissions.get(&launch.name).copied().unwrap_or_default();
+        let policy = agent
+            .permissions
+            .get(&launch.name)
+            .copied()
+            .unwrap_or_default();
         let policy = if policy == Policy::Ask && self.always_allowed(held, &launch.name).await? {
             Policy::Allow
         } else {
@@ -677,13 +766,16 @@ impl Engine {
         };
         match policy {
             Policy::Deny => {
-                self.publish(held, vec![DurableEvent::ToolFailed(payload::ToolFailed {
-                    call_id,
-                    error: ErrorInfo::new(
-                        "tool.permission-denied",
-                        format!("the `{}` tool is not allowed for this agent", launch.name),
-                    ),
-                })])
+                self.publish(
+                    held,
+                    vec![DurableEvent::ToolFailed(payload::ToolFailed {
+                        call_id,
+                        error: ErrorInfo::new(
+                            "tool.permission-denied",
+                            format!("the `{}` tool is not allowed for this agent", launch.name),
+                        ),
+                    })],
+                )
                 .await?;
             }
             Policy::Ask => {
@@ -695,14 +787,17 @@ impl Engine {
                     .unwrap_or_default();
                 let request = RequestId::new();
                 let reply = self.wait_for(request);
-                self.publish(held, vec![DurableEvent::PermissionRequested(
-                    payload::PermissionRequested {
-                        request_id: request,
-                        call_id,
-                        tool: launch.name.clone(),
-                        pattern,
-                    },
-                )])
+                self.publish(
+                    held,
+                    vec![DurableEvent::PermissionRequested(
+                        payload::PermissionRequested {
+                            request_id: request,
+                            call_id,
+                            tool: launch.name.clone(),
+                            pattern,
+                        },
+                    )],
+                )
                 .await?;
                 let cancel = cancel.clone();
                 tasks.spawn(async move {
@@ -715,8 +810,6 @@ impl Engine {
                     };
                     (call_id, done)
                 });
-                // The request id travels with the decision through the published event.
-                let _ = request;
             }
             Policy::Allow => self.start_tool(held, directory, launch, cancel, tasks)?,
         }
@@ -738,7 +831,13 @@ impl Engine {
         let call_id = launch.call_id;
         let Some(tool) = self.settings.tools.get(&launch.name).cloned() else {
             tasks.spawn(async move {
-                (call_id, Done::Ran(Err(tool::Error::InvalidInput(format!("no tool `{}`", launch.name)))))
+                (
+                    call_id,
+                    Done::Ran(Err(tool::Error::InvalidInput(format!(
+                        "no tool `{}`",
+                        launch.name
+                    )))),
+                )
             });
             return Ok(());
         };
@@ -764,13 +863,19 @@ impl Engine {
         tokio::spawn(async move {
             while let Some(metadata) = progress_rx.recv().await {
                 let owns = !ownership.lost.load(std::sync::atomic::Ordering::SeqCst)
-                    && clock.now_ms() < ownership.deadline.load(std::sync::atomic::Ordering::SeqCst);
+                    && clock.now_ms()
+                        < ownership.deadline.load(std::sync::atomic::Ordering::SeqCst);
                 if owns {
-                    drop(live.send(super::Live::Ephemeral(keel_schema::event::EphemeralEnvelope {
-                        session_id: session,
-                        time: clock.now_ms(),
-                        event: EphemeralEvent::ToolProgress(payload::ToolProgress { call_id, metadata }),
-                    })));
+                    drop(live.send(super::Live::Ephemeral(
+                        keel_schema::event::EphemeralEnvelope {
+                            session_id: session,
+                            time: clock.now_ms(),
+                            event: EphemeralEvent::ToolProgress(payload::ToolProgress {
+                                call_id,
+                                metadata,
+                            }),
+                        },
+                    )));
                 }
             }
         });
@@ -787,7 +892,6 @@ impl Engine {
     async fn settle_call(
         &self,
         held: &Held,
-        agent: &super::Agent,
         directory: Option<&PathBuf>,
         call_id: CallId,
         done: Done,
@@ -795,35 +899,42 @@ impl Engine {
         tasks: &mut JoinSet<(CallId, Done)>,
         interrupted: bool,
     ) -> Result<Option<InterruptReason>, Error> {
-        let _ = agent;
         match done {
             // Left unresolved: the step's `step.interrupted` fails it durably.
             Done::Abandoned | Done::Ran(Err(tool::Error::Interrupted)) if interrupted => Ok(None),
             Done::Abandoned => Ok(None),
             Done::Ran(Ok(output)) => {
-                self.publish(held, vec![DurableEvent::ToolSuccess(payload::ToolSuccess {
-                    call_id,
-                    structured: output.structured,
-                    content: output.content,
-                    result: None,
-                })])
+                self.publish(
+                    held,
+                    vec![DurableEvent::ToolSuccess(payload::ToolSuccess {
+                        call_id,
+                        structured: output.structured,
+                        content: output.content,
+                        result: None,
+                    })],
+                )
                 .await?;
                 Ok(None)
             }
             Done::Ran(Err(error)) => {
-                self.publish(held, vec![DurableEvent::ToolFailed(payload::ToolFailed {
-                    call_id,
-                    error: error.info(),
-                })])
+                self.publish(
+                    held,
+                    vec![DurableEvent::ToolFailed(payload::ToolFailed {
+                        call_id,
+                        error: error.info(),
+                    })],
+                )
                 .await?;
                 Ok(None)
             }
             Done::Decided(decision, launch) => {
                 let request = self.request_of(held, call_id).await?;
-                let mut events = vec![DurableEvent::PermissionReplied(payload::PermissionReplied {
-                    request_id: request,
-                    decision,
-                })];
+                let mut events = vec![DurableEvent::PermissionReplied(
+                    payload::PermissionReplied {
+                        request_id: request,
+                        decision,
+                    },
+                )];
                 if decision == Decision::Reject {
                     events.push(DurableEvent::ToolFailed(payload::ToolFailed {
                         call_id,
@@ -841,29 +952,40 @@ impl Engine {
                 Ok(None)
             }
             Done::Answered(request, answer) => {
-                self.publish(held, vec![
-                    DurableEvent::QuestionAnswered(payload::QuestionAnswered {
-                        request_id: request,
-                        answer: answer.clone(),
-                    }),
-                    DurableEvent::ToolSuccess(payload::ToolSuccess {
-                        call_id,
-                        structured: json!({"answer": answer}),
-                        content: vec![ToolContent::Text { text: answer }],
-                        result: None,
-                    }),
-                ])
+                self.publish(
+                    held,
+                    vec![
+                        DurableEvent::QuestionAnswered(payload::QuestionAnswered {
+                            request_id: request,
+                            answer: answer.clone(),
+                        }),
+                        DurableEvent::ToolSuccess(payload::ToolSuccess {
+                            call_id,
+                            structured: json!({"answer": answer}),
+                            content: vec![ToolContent::Text { text: answer }],
+                            result: None,
+                        }),
+                    ],
+                )
                 .await?;
                 Ok(None)
             }
             Done::Dismissed(request) => {
-                self.publish(held, vec![
-                    DurableEvent::QuestionDismissed(payload::QuestionDismissed { request_id: request }),
-                    DurableEvent::ToolFailed(payload::ToolFailed {
-                        call_id,
-                        error: ErrorInfo::new("tool.question-dismissed", "the user dismissed the question"),
-                    }),
-                ])
+                self.publish(
+                    held,
+                    vec![
+                        DurableEvent::QuestionDismissed(payload::QuestionDismissed {
+                            request_id: request,
+                        }),
+                        DurableEvent::ToolFailed(payload::ToolFailed {
+                            call_id,
+                            error: ErrorInfo::new(
+                                "tool.question-dismissed",
+                                "the user dismissed the question",
+                            ),
+                        }),
+                    ],
+                )
                 .await?;
                 Ok(Some(InterruptReason::QuestionDismissed))
             }

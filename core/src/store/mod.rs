@@ -102,6 +102,19 @@ pub struct Options {
     pub max_batch: usize,
     /// Time for event stamps.
     pub clock: SharedClock,
+    /// Makes chosen commits fail, for fault-injection tests.
+    pub failpoint: Option<Failpoint>,
+}
+
+/// Decides, given the ordinal of a commit (0, 1, 2 …), whether it fails. A failed commit
+/// rolls its transaction back and fails every write in it, as a real commit failure would.
+#[derive(Clone)]
+pub struct Failpoint(pub Arc<dyn Fn(u64) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for Failpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Failpoint")
+    }
 }
 
 impl Default for Options {
@@ -112,6 +125,7 @@ impl Default for Options {
             read_connections: 4,
             max_batch: 256,
             clock: Arc::new(SystemClock),
+            failpoint: None,
         }
     }
 }
@@ -179,7 +193,13 @@ impl Store {
                 message: e.to_string(),
             })?;
         let stats = Arc::new(Stats::default());
-        let writer = writer::spawn(connection, settings, options.max_batch, stats.clone())?;
+        let writer = writer::spawn(
+            connection,
+            settings,
+            options.max_batch,
+            stats.clone(),
+            options.failpoint,
+        )?;
         tracing::info!(%url, "store open");
         Ok(Self {
             inner: Arc::new(Inner {

@@ -15,7 +15,7 @@ use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use tokio::sync::{mpsc, oneshot};
 
 use super::conn::Settings;
-use super::{Conn, Error, Stats};
+use super::{Conn, Error, Failpoint, Stats};
 
 /// Tells a caller how its write ended, once the batch's commit is known.
 /// `Some(message)` means the commit failed and the write did not happen.
@@ -94,11 +94,21 @@ pub(super) fn spawn(
     settings: Settings,
     max_batch: usize,
     stats: Arc<Stats>,
+    failpoint: Option<Failpoint>,
 ) -> Result<Handle, Error> {
     let (jobs, receiver) = mpsc::channel(QUEUE);
     std::thread::Builder::new()
         .name("keel-store-writer".into())
-        .spawn(move || run(connection, settings, receiver, max_batch.max(1), &stats))
+        .spawn(move || {
+            run(
+                connection,
+                settings,
+                receiver,
+                max_batch.max(1),
+                &stats,
+                failpoint.as_ref(),
+            )
+        })
         .map_err(|e| Error::Connect {
             url: "writer".into(),
             message: format!("starting the writer thread: {e}"),
@@ -112,6 +122,7 @@ fn run(
     mut receiver: mpsc::Receiver<Job>,
     max_batch: usize,
     stats: &Stats,
+    failpoint: Option<&Failpoint>,
 ) {
     let mut carried: Vec<Job> = Vec::new();
     loop {
@@ -128,11 +139,12 @@ fn run(
                 Err(_) => break,
             }
         }
-        stats.batches.fetch_add(1, Ordering::Relaxed);
+        let ordinal = stats.batches.fetch_add(1, Ordering::Relaxed);
+        let fail = failpoint.is_some_and(|f| (f.0)(ordinal));
         stats
             .writes
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        carried = run_batch(&mut connection, batch);
+        carried = run_batch(&mut connection, batch, fail);
 
         if <Conn as Connection>::TransactionManager::is_broken_transaction_manager(&mut connection)
         {
@@ -143,7 +155,7 @@ fn run(
 }
 
 /// Runs one batch. Returns the writes it did not get to (after a panic), to run next.
-fn run_batch(connection: &mut Conn, batch: Vec<Job>) -> Vec<Job> {
+fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Vec<Job> {
     let began = match connection {
         Conn::Sqlite(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE"),
         Conn::Pg(c) => AnsiTransactionManager::begin_transaction(c),
@@ -181,6 +193,13 @@ fn run_batch(connection: &mut Conn, batch: Vec<Job>) -> Vec<Job> {
         return jobs.collect();
     }
 
+    if fail {
+        rollback_all(connection);
+        for finish in finishes {
+            finish(Some("a failpoint made this commit fail"));
+        }
+        return Vec::new();
+    }
     match <Conn as Connection>::TransactionManager::commit_transaction(connection) {
         Ok(()) => {
             for finish in finishes {

@@ -28,9 +28,12 @@ async fn fenced_rename(store: &Store, claim: Claim, title: &str) -> Result<(), E
         .write(move |c| {
             let now = clock.now_ms();
             execution::fenced(c, now, LEASE, &claim, |c| {
-                keel_core::event::log::append(c, now, claim.session_id, vec![
-                    DurableEvent::Renamed(payload::Renamed { title }),
-                ])
+                keel_core::event::log::append(
+                    c,
+                    now,
+                    claim.session_id,
+                    vec![DurableEvent::Renamed(payload::Renamed { title })],
+                )
                 .map(|_| ())
                 .map_err(Error::from)
             })
@@ -54,7 +57,10 @@ async fn exactly_one_owner_wins_a_session(db: TestDb) {
     let (a, b) = (OwnerId::new(), OwnerId::new());
     let (first, second) = tokio::join!(acquire(&store, session, a), acquire(&store, session, b));
     assert_eq!(
-        [first.is_some(), second.is_some()].iter().filter(|w| **w).count(),
+        [first.is_some(), second.is_some()]
+            .iter()
+            .filter(|w| **w)
+            .count(),
         1
     );
     let winner = first.or(second).unwrap();
@@ -110,16 +116,21 @@ async fn the_fence_requires_the_exact_claim_and_an_unexpired_lease(db: TestDb) {
             ..claim
         },
     ] {
-        let err = fenced_rename(&store, impostor, "impostor").await.unwrap_err();
+        let err = fenced_rename(&store, impostor, "impostor")
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::OwnershipLost { .. }), "{err}");
     }
     // The fenced write renewed the lease to T0 + LEASE; at that instant it has expired.
     db.clock.advance(LEASE);
     let err = fenced_rename(&store, claim, "too late").await.unwrap_err();
-    assert_eq!(err, Error::OwnershipLost {
-        execution_id: claim.id,
-        session_id: session,
-    });
+    assert_eq!(
+        err,
+        Error::OwnershipLost {
+            execution_id: claim.id,
+            session_id: session,
+        }
+    );
 }
 
 async fn a_fenced_write_after_ownership_is_lost_rolls_back_entirely(db: TestDb) {
@@ -230,7 +241,10 @@ async fn release_deletes_the_claim_together_with_execution_settled(db: TestDb) {
         })
     );
     assert_eq!(
-        store.read(move |c| execution::get(c, session)).await.unwrap(),
+        store
+            .read(move |c| execution::get(c, session))
+            .await
+            .unwrap(),
         None
     );
 }

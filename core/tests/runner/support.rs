@@ -1,0 +1,329 @@
+//! The runner harness.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use diesel::RunQueryDsl;
+use keel_core::clock::ManualClock;
+use keel_core::inbox::{self, Admission};
+use keel_core::provider::scripted::{Item, Response, Script, Scripted};
+use keel_core::provider::{self, Event, EventStream, Provider};
+use keel_core::runner::{Agent, Runner, Settings};
+use keel_core::store::{self, DbUrl, Failpoint, Options, Store};
+use keel_core::tool::{self, Context, Output, Registry, Run, Tool};
+use keel_schema::event::{DurableEvent, Envelope, payload};
+use keel_schema::id::{InputId, OwnerId, SessionId};
+use keel_schema::types::{Delivery, Effect, ModelRef, Part, ToolContent};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, mpsc};
+
+pub const LEASE: i64 = 30_000;
+
+/// A tool that reports its start to the test and finishes when released (or fails when
+/// cancelled).
+pub struct Gate {
+    pub started: mpsc::UnboundedSender<Value>,
+    pub release: Arc<Notify>,
+}
+
+impl Tool for Gate {
+    fn name(&self) -> &'static str {
+        "gate"
+    }
+    fn description(&self) -> &'static str {
+        "Waits for the test."
+    }
+    fn effect(&self) -> Effect {
+        Effect::Write
+    }
+    fn input_schema(&self) -> Value {
+        json!({"type": "object"})
+    }
+    fn permission_pattern(&self, _: &Value) -> String {
+        "gate".into()
+    }
+    fn run<'a>(&'a self, input: Value, context: &'a Context) -> Run<'a> {
+        Box::pin(async move {
+            // The test may have stopped listening; the gate still works.
+            drop(self.started.send(input));
+            tokio::select! {
+                () = self.release.notified() => Ok(Output {
+                    structured: json!({"released": true}),
+                    content: vec![ToolContent::Text { text: "released".into() }],
+                }),
+                () = context.cancel.cancelled() => Err(tool::Error::Interrupted),
+            }
+        })
+    }
+}
+
+/// A tool that counts its runs and records, at each start, whether its `tool.called`
+/// had already committed.
+pub struct Probe {
+    pub store: Mutex<Option<Store>>,
+    pub runs: AtomicUsize,
+    pub called_before_start: Mutex<Vec<bool>>,
+}
+
+impl Tool for Probe {
+    fn name(&self) -> &'static str {
+        "probe"
+    }
+    fn description(&self) -> &'static str {
+        "Counts its runs."
+    }
+    fn effect(&self) -> Effect {
+        Effect::Read
+    }
+    fn input_schema(&self) -> Value {
+        json!({"type": "object"})
+    }
+    fn permission_pattern(&self, _: &Value) -> String {
+        "probe".into()
+    }
+    fn run<'a>(&'a self, input: Value, _: &'a Context) -> Run<'a> {
+        Box::pin(async move {
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            let store = self.store.lock().unwrap().clone();
+            if let (Some(store), Some(session)) = (store, input["session"].as_str()) {
+                let session: SessionId = session.parse().unwrap();
+                let log = store.read_log(session, 0, u32::MAX).await.unwrap();
+                let called = log.iter().any(|e| {
+                    matches!(&e.event, DurableEvent::ToolCalled(c) if c.name == "probe")
+                });
+                self.called_before_start.lock().unwrap().push(called);
+            }
+            Ok(Output {
+                structured: json!({"ok": true}),
+                content: vec![ToolContent::Text { text: "probed".into() }],
+            })
+        })
+    }
+}
+
+/// A provider the test drives: each request takes the next channel the test queued.
+#[derive(Default)]
+pub struct Driven {
+    pub streams: Mutex<Vec<mpsc::UnboundedReceiver<Result<Event, provider::Error>>>>,
+    pub requests: Mutex<Vec<provider::Request>>,
+}
+
+impl Driven {
+    /// Queues a response stream and returns its sender.
+    pub fn queue(&self) -> mpsc::UnboundedSender<Result<Event, provider::Error>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.streams.lock().unwrap().push(rx);
+        tx
+    }
+}
+
+impl Provider for Driven {
+    fn stream(&self, request: provider::Request) -> EventStream {
+        self.requests.lock().unwrap().push(request);
+        let mut streams = self.streams.lock().unwrap();
+        if streams.is_empty() {
+            return Box::pin(futures::stream::iter([Err(provider::Error::BadRequest(
+                "the test queued no response".into(),
+            ))]));
+        }
+        let rx = streams.remove(0);
+        Box::pin(futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        }))
+    }
+}
+
+/// A provider that records every request and answers from a script.
+pub struct Recording {
+    pub inner: Scripted,
+    pub requests: Mutex<Vec<provider::Request>>,
+}
+
+impl Provider for Recording {
+    fn stream(&self, request: provider::Request) -> EventStream {
+        self.requests.lock().unwrap().push(request.clone());
+        self.inner.stream(request)
+    }
+}
+
+pub struct Harness {
+    pub store: Store,
+    pub runner: Runner,
+    pub clock: Arc<ManualClock>,
+    pub owner: OwnerId,
+    pub gate_started: mpsc::UnboundedReceiver<Value>,
+    pub release: Arc<Notify>,
+    pub probe: Arc<Probe>,
+    pub recording: Arc<Recording>,
+    pub driven: Arc<Driven>,
+    _dir: tempfile::TempDir,
+    pub workspace: tempfile::TempDir,
+}
+
+pub fn script(responses: Vec<Vec<Item>>) -> Script {
+    Script {
+        responses: responses
+            .into_iter()
+            .map(|items| Response { items })
+            .collect(),
+    }
+}
+
+pub fn text(t: &str) -> Item {
+    Item::Text {
+        text: t.into(),
+        chunks: Some(3),
+    }
+}
+
+pub fn call(name: &str, input: Value) -> Item {
+    Item::ToolCall {
+        name: name.into(),
+        input,
+        raw: None,
+        id: None,
+    }
+}
+
+#[derive(Default)]
+pub struct Setup {
+    pub script: Option<Script>,
+    pub agent: Option<Agent>,
+    pub failpoint: Option<Failpoint>,
+}
+
+impl Harness {
+    pub async fn new(setup: Setup) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(ManualClock::new(1_764_690_000_000));
+        let store = Store::open(DbUrl::Sqlite(dir.path().join("keel.db")), Options {
+            clock: clock.clone(),
+            failpoint: setup.failpoint,
+            ..Options::default()
+        })
+        .await
+        .unwrap();
+        let (gate_tx, gate_started) = mpsc::unbounded_channel();
+        let release = Arc::new(Notify::new());
+        let probe = Arc::new(Probe {
+            store: Mutex::new(Some(store.clone())),
+            runs: AtomicUsize::new(0),
+            called_before_start: Mutex::new(Vec::new()),
+        });
+        let recording = Arc::new(Recording {
+            inner: Scripted::new(setup.script.unwrap_or_else(|| script(vec![vec![text("Hello.")]]))),
+            requests: Mutex::new(Vec::new()),
+        });
+        let driven = Arc::new(Driven::default());
+        let mut tools: Vec<Arc<dyn Tool>> = vec![
+            Arc::new(Gate {
+                started: gate_tx,
+                release: release.clone(),
+            }),
+            probe.clone(),
+        ];
+        let mut providers: HashMap<String, Arc<dyn Provider>> = HashMap::new();
+        providers.insert("scripted".into(), recording.clone());
+        providers.insert("other".into(), recording.clone());
+        providers.insert("driven".into(), driven.clone());
+        let mut agents = HashMap::new();
+        agents.insert("build".into(), setup.agent.unwrap_or_default());
+        let owner = OwnerId::new();
+        let runner = Runner::new(store.clone(), Settings {
+            owner,
+            lease_ms: LEASE,
+            agents,
+            providers,
+            tools: Registry::new(tools),
+            limits: tool::Limits::default(),
+        });
+        Self {
+            store,
+            runner,
+            clock,
+            owner,
+            gate_started,
+            release,
+            probe,
+            recording,
+            driven,
+            _dir: dir,
+            workspace: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// A session on `provider` working in the harness's workspace.
+    pub async fn session_on(&self, provider: &str) -> SessionId {
+        let id = SessionId::new();
+        self.store
+            .append(id, vec![DurableEvent::Created(payload::Created {
+                title: None,
+                directory: self.workspace.path().to_string_lossy().into_owned(),
+                agent: "build".into(),
+                model: ModelRef {
+                    provider: provider.into(),
+                    id: "test".into(),
+                },
+                metadata: None,
+            })])
+            .await
+            .unwrap();
+        id
+    }
+
+    pub async fn session(&self) -> SessionId {
+        self.session_on("scripted").await
+    }
+
+    pub async fn admit(&self, session: SessionId, text: &str, delivery: Delivery) -> InputId {
+        let clock = self.store.clock().clone();
+        let admission = Admission {
+            delivery,
+            ..Admission::prompt(vec![Part::Text { text: text.into() }])
+        };
+        self.store
+            .write(move |c| inbox::admit(c, clock.now_ms(), session, admission))
+            .await
+            .unwrap()
+            .input
+            .id
+    }
+
+    pub async fn log(&self, session: SessionId) -> Vec<Envelope> {
+        self.store.read_log(session, 0, u32::MAX).await.unwrap()
+    }
+
+    /// The session's event types, without the common prefix.
+    pub async fn kinds(&self, session: SessionId) -> Vec<String> {
+        self.log(session)
+            .await
+            .iter()
+            .map(|e| e.event.type_name().trim_start_matches("session.next.").to_owned())
+            .collect()
+    }
+
+    /// Hands the session's claim to another owner, as a recovery elsewhere would.
+    pub async fn steal(&self, session: SessionId) {
+        let thief = OwnerId::new();
+        self.store
+            .write(move |c| {
+                diesel::sql_query(format!(
+                    "UPDATE session_execution SET owner_id = '{thief}' WHERE session_id = '{session}'"
+                ))
+                .execute(c)
+                .map(|_| ())
+                .map_err(store::Error::from)
+            })
+            .await
+            .unwrap();
+    }
+
+    pub async fn claim_exists(&self, session: SessionId) -> bool {
+        self.store
+            .read(move |c| keel_core::execution::get(c, session))
+            .await
+            .unwrap()
+            .is_some()
+    }
+}
