@@ -11,10 +11,11 @@
 //! *whether* to run it (permissions, ownership) and records the outcome durably.
 //!
 //! The built-ins ([`builtins`]) live one per module: [`read`], [`write`], [`edit`],
-//! [`list`], [`glob`] and [`grep`]. They share path confinement (`path`), output
+//! [`list`], [`glob`], [`grep`] and [`bash`]. They share path confinement (`path`), output
 //! truncation (`truncate`) and input parsing (`input`). `question` is not a tool here: the
 //! runner answers it.
 
+pub mod bash;
 pub mod edit;
 pub mod glob;
 pub mod grep;
@@ -157,7 +158,7 @@ impl Registry {
     }
 }
 
-/// The built-in tools: `read`, `write`, `edit`, `list`, `glob` and `grep`.
+/// The built-in tools: `read`, `write`, `edit`, `list`, `glob`, `grep` and `bash`.
 pub fn builtins() -> Registry {
     Registry::new(vec![
         Arc::new(read::Read),
@@ -166,6 +167,7 @@ pub fn builtins() -> Registry {
         Arc::new(list::List),
         Arc::new(glob::Glob),
         Arc::new(grep::Grep),
+        Arc::new(bash::Bash),
     ])
 }
 
