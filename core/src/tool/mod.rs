@@ -9,6 +9,23 @@
 //!
 //! Running a tool is not the runner's business beyond this interface: the runner decides
 //! *whether* to run it (permissions, ownership) and records the outcome durably.
+//!
+//! The built-ins ([`builtins`]) live one per module: [`read`], [`write`], [`edit`],
+//! [`list`], [`glob`], [`grep`] and [`bash`]. They share path confinement (`path`), output
+//! truncation (`truncate`) and input parsing (`input`). `question` is not a tool here: the
+//! runner answers it.
+
+pub mod bash;
+pub mod edit;
+pub mod glob;
+pub mod grep;
+mod input;
+pub mod list;
+mod path;
+pub mod read;
+mod truncate;
+mod walk;
+pub mod write;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -139,6 +156,51 @@ impl Registry {
     pub fn iter(&self) -> impl Iterator<Item = &Arc<dyn Tool>> {
         self.tools.iter()
     }
+}
+
+/// The built-in tools: `read`, `write`, `edit`, `list`, `glob`, `grep` and `bash`.
+pub fn builtins() -> Registry {
+    Registry::new(vec![
+        Arc::new(read::Read),
+        Arc::new(write::Write),
+        Arc::new(edit::Edit),
+        Arc::new(list::List),
+        Arc::new(glob::Glob),
+        Arc::new(grep::Grep),
+        Arc::new(bash::Bash),
+    ])
+}
+
+impl Error {
+    /// An I/O failure on `shown` (a path as the model sees it): a missing file is
+    /// [`Error::NotFound`], anything else [`Error::Io`] naming the path.
+    pub(crate) fn from_io(shown: &str, error: &std::io::Error) -> Self {
+        match error.kind() {
+            std::io::ErrorKind::NotFound => Self::NotFound(shown.to_owned()),
+            _ => Self::Io(format!("`{shown}`: {error}")),
+        }
+    }
+}
+
+/// Runs blocking file-system work off the async threads, returning
+/// [`Error::Interrupted`] as soon as the run is cancelled (the work is abandoned; it only
+/// reads, or finishes a write the model asked for).
+pub(crate) async fn blocking<T, F>(context: &Context, work: F) -> Result<T, Error>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, Error> + Send + 'static,
+{
+    let task = tokio::task::spawn_blocking(work);
+    tokio::select! {
+        biased;
+        () = context.cancel.cancelled() => Err(Error::Interrupted),
+        joined = task => joined.map_err(|e| Error::Io(format!("tool task failed: {e}")))?,
+    }
+}
+
+/// Plain text for the model.
+pub(crate) fn text(text: impl Into<String>) -> Vec<ToolContent> {
+    vec![ToolContent::Text { text: text.into() }]
 }
 
 impl std::fmt::Debug for Registry {
