@@ -455,9 +455,11 @@ impl Engine {
                 }
             };
             let messages = self.messages(session).await?;
+            // Past the first boundary only new input or a tool-driven continuation runs a
+            // step; otherwise a step whose tool calls were refused would loop.
             let go = promoted
                 || boundary == Boundary::Step
-                || awaits_model(&messages, first && request.force);
+                || (first && awaits_model(&messages, request.force));
             first = false;
             if !go {
                 return Ok(());
@@ -473,8 +475,9 @@ impl Engine {
     }
 }
 
-/// Whether the transcript waits for the model: its last message is the user's, or the
-/// model's last step asked for tools. `resume` also continues a step that was cut short.
+/// Whether the transcript waits for the model: its last message is the user's. `resume`
+/// (an explicit run) also continues a step that asked for tools or was cut short; a mere
+/// wake does not, so a spurious wake never restarts a finished tool loop.
 fn awaits_model(messages: &[Message], resume: bool) -> bool {
     match messages.last() {
         None => false,

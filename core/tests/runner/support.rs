@@ -223,6 +223,7 @@ impl Harness {
             }),
             probe.clone(),
         ];
+        tools.extend(tool::builtins().iter().cloned());
         let mut providers: HashMap<String, Arc<dyn Provider>> = HashMap::new();
         providers.insert("scripted".into(), recording.clone());
         providers.insert("other".into(), recording.clone());
