@@ -237,6 +237,25 @@ pub fn renew_all(
     .execute(connection)?)
 }
 
+/// The sessions whose claims `owner_id` holds with a lease still running at `now`.
+pub fn live_sessions(
+    connection: &mut Conn,
+    now: i64,
+    owner_id: OwnerId,
+) -> Result<Vec<SessionId>, store::Error> {
+    let ids: Vec<String> = session_execution::table
+        .filter(session_execution::owner_id.eq(owner_id.to_string()))
+        .filter(session_execution::expires_at.gt(now))
+        .select(session_execution::session_id)
+        .load(connection)?;
+    ids.into_iter()
+        .map(|id| {
+            id.parse()
+                .map_err(|e| store::Error::Corrupt(format!("claim session {id}: {e}")))
+        })
+        .collect()
+}
+
 /// Expires every lease of `owner_id` now, handing its executions to recovery at once (a
 /// graceful shutdown).
 pub fn expire_all(

@@ -232,6 +232,44 @@ impl Runner {
         self.coordinator.interrupt(&session)
     }
 
+    /// Renews every lease this process holds, every third of the lease, until `shutdown`
+    /// is cancelled. A failed renewal is logged and retried at the next tick; the fence
+    /// keeps a lease that ran out meanwhile from being written through.
+    pub async fn renew_leases(&self, shutdown: CancellationToken) {
+        let engine = self.engine().clone();
+        let lease = engine.settings.lease_ms;
+        let period = std::time::Duration::from_millis(u64::try_from(lease / 3).unwrap_or(1).max(1));
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(period) => {}
+            }
+            let (owner, clock) = (engine.settings.owner, engine.store.clock().clone());
+            let renewed = engine
+                .store
+                .write(move |c| {
+                    let now = clock.now_ms();
+                    execution::renew_all(c, now, lease, owner)?;
+                    let live = execution::live_sessions(c, now, owner)?;
+                    Ok::<_, store::Error>((now, live))
+                })
+                .await;
+            match renewed {
+                Ok((now, live)) => {
+                    // Only claims the database still gives this owner get a later deadline.
+                    for (session, held) in lock(&engine.held).iter() {
+                        if live.contains(session) {
+                            held.ownership
+                                .deadline
+                                .fetch_max(now + lease, Ordering::SeqCst);
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "renewing leases failed"),
+            }
+        }
+    }
+
     /// Delivers a reply to a waiting permission request or question. False when nothing
     /// in this process waits for it.
     pub fn reply(&self, request: RequestId, reply: Reply) -> bool {

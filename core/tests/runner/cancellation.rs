@@ -1,0 +1,131 @@
+//! Interrupts: the running tool fails durably, the step gets exactly one
+//! `step.interrupted`, the claim is released, and input arriving meanwhile stays pending.
+
+use keel_core::coordinator::RunError;
+use keel_core::inbox;
+use keel_core::provider::Event;
+use keel_core::runner::Error;
+use keel_schema::event::DurableEvent;
+use keel_schema::types::{Delivery, InterruptReason, Outcome};
+use serde_json::json;
+
+use crate::support::{Harness, Setup, call, script, text};
+
+#[tokio::test]
+async fn interrupting_a_running_tool_fails_it_durably_with_exactly_one_step_interrupted() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![vec![call("gate", json!({}))]])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session().await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    h.gate_started.recv().await.unwrap();
+    assert!(h.runner.interrupt(session).await);
+    assert_eq!(
+        run.await.unwrap(),
+        Err(RunError::Failed(Error::Interrupted))
+    );
+
+    let kinds = h.kinds(session).await;
+    let tail: Vec<&str> = kinds
+        .iter()
+        .map(String::as_str)
+        .skip_while(|k| *k != "tool.called")
+        .collect();
+    assert_eq!(
+        tail,
+        vec!["tool.called", "step.interrupted", "execution.settled"]
+    );
+    let log = h.log(session).await;
+    let DurableEvent::ExecutionSettled(settled) = &log.last().unwrap().event else {
+        panic!()
+    };
+    assert_eq!(settled.outcome, Outcome::Interrupted);
+    let tools = h
+        .store
+        .read(move |c| keel_core::event::projector::messages(c, session))
+        .await
+        .unwrap();
+    let text = format!("{tools:?}");
+    assert!(text.contains("tool.interrupted"), "{text}");
+    assert!(!h.claim_exists(session).await);
+}
+
+#[tokio::test]
+async fn interrupting_a_streaming_step_publishes_one_step_interrupted_and_clears_the_claim() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    stream.send(Ok(Event::TextStart)).unwrap();
+    loop {
+        if let keel_core::runner::Live::Durable(e) = live.recv().await.unwrap()
+            && e.event.type_name() == "session.next.text.started"
+        {
+            break;
+        }
+    }
+    assert!(h.runner.interrupt(session).await);
+    assert_eq!(
+        run.await.unwrap(),
+        Err(RunError::Failed(Error::Interrupted))
+    );
+    let log = h.log(session).await;
+    let interrupted: Vec<InterruptReason> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::StepInterrupted(i) => Some(i.reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(interrupted, vec![InterruptReason::User]);
+    assert!(!h.claim_exists(session).await);
+    drop(stream);
+}
+
+#[tokio::test]
+async fn interrupt_when_idle_returns_false() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.session().await;
+    assert!(!h.runner.interrupt(session).await);
+}
+
+#[tokio::test]
+async fn input_arriving_during_an_interruption_stays_pending_for_a_later_run() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Later.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session().await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    h.gate_started.recv().await.unwrap();
+    assert!(h.runner.interrupt(session).await);
+    h.admit(session, "steer", Delivery::Steer).await;
+    h.admit(session, "queued", Delivery::Queue).await;
+    run.await.unwrap().unwrap_err();
+    let pending = h
+        .store
+        .read(move |c| inbox::pending(c, session))
+        .await
+        .unwrap();
+    assert_eq!(pending.len(), 2);
+    h.runner.run(session).await.unwrap();
+    let pending = h
+        .store
+        .read(move |c| inbox::pending(c, session))
+        .await
+        .unwrap();
+    assert_eq!(pending, vec![]);
+}

@@ -1,0 +1,146 @@
+//! After ownership changes, the runner makes no provider request, starts no tool, and
+//! publishes nothing, durable or ephemeral. Ownership changes the way it does in life:
+//! the lease runs out (the manual clock moves past it) and another owner takes the claim.
+
+use std::sync::atomic::Ordering;
+
+use keel_core::coordinator::RunError;
+use keel_core::provider::Event;
+use keel_core::runner::{Error, Live};
+use keel_schema::event::EphemeralEvent;
+use keel_schema::id::SessionId;
+use keel_schema::types::{Delivery, Finish, Usage};
+use serde_json::json;
+
+use crate::support::{Harness, LEASE, Setup, call, script, text};
+
+async fn lose_ownership(h: &Harness, session: SessionId) {
+    h.clock.advance(LEASE + 1);
+    h.steal(session).await;
+}
+
+#[tokio::test]
+async fn no_provider_request_is_dispatched_after_ownership_changes() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("never")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session().await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    h.gate_started.recv().await.unwrap();
+    lose_ownership(&h, session).await;
+    let before = h.kinds(session).await;
+    h.release.notify_one();
+    assert_eq!(
+        run.await.unwrap(),
+        Err(RunError::Failed(Error::OwnershipLost(session)))
+    );
+    assert_eq!(h.recording.requests.lock().unwrap().len(), 1);
+    // The finished tool's result was not published, nor anything after it.
+    assert_eq!(h.kinds(session).await, before);
+    assert!(h.claim_exists(session).await, "the new owner's claim stays");
+}
+
+#[tokio::test]
+async fn output_of_a_stream_that_began_before_ownership_changed_is_not_published_afterwards() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    stream.send(Ok(Event::TextStart)).unwrap();
+    stream.send(Ok(Event::TextDelta("before".into()))).unwrap();
+    loop {
+        if let Live::Ephemeral(e) = live.recv().await.unwrap()
+            && matches!(e.event, EphemeralEvent::TextDelta(_))
+        {
+            break;
+        }
+    }
+    lose_ownership(&h, session).await;
+    let before = h.kinds(session).await;
+    stream.send(Ok(Event::TextDelta("after".into()))).unwrap();
+    stream.send(Ok(Event::TextEnd)).unwrap();
+    stream
+        .send(Ok(Event::Finish {
+            finish: Finish::Stop,
+            usage: Usage::default(),
+        }))
+        .unwrap();
+    assert_eq!(
+        run.await.unwrap(),
+        Err(RunError::Failed(Error::OwnershipLost(session)))
+    );
+    assert_eq!(h.kinds(session).await, before);
+    while let Ok(item) = live.try_recv() {
+        if let Live::Ephemeral(e) = item {
+            panic!("published after ownership changed: {e:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn no_local_tool_starts_after_ownership_changes() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    stream.send(Ok(Event::TextStart)).unwrap();
+    loop {
+        if let Live::Durable(e) = live.recv().await.unwrap()
+            && e.event.type_name() == "session.next.text.started"
+        {
+            break;
+        }
+    }
+    lose_ownership(&h, session).await;
+    stream.send(Ok(Event::TextEnd)).unwrap();
+    stream
+        .send(Ok(Event::ToolCall {
+            id: "c1".into(),
+            name: "probe".into(),
+            input: "{}".into(),
+            provider_executed: false,
+        }))
+        .unwrap();
+    drop(stream);
+    assert_eq!(
+        run.await.unwrap(),
+        Err(RunError::Failed(Error::OwnershipLost(session)))
+    );
+    assert_eq!(h.probe.runs.load(Ordering::SeqCst), 0);
+    assert!(!h.kinds(session).await.contains(&"tool.called".to_owned()));
+}
+
+#[tokio::test]
+async fn interrupted_tool_reconciliation_publishes_nothing_after_ownership_changes() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![vec![call("gate", json!({}))]])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session().await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    h.gate_started.recv().await.unwrap();
+    lose_ownership(&h, session).await;
+    let before = h.kinds(session).await;
+    assert!(h.runner.interrupt(session).await);
+    assert_eq!(
+        run.await.unwrap(),
+        Err(RunError::Failed(Error::OwnershipLost(session)))
+    );
+    assert_eq!(h.kinds(session).await, before);
+}

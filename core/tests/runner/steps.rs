@@ -16,18 +16,21 @@ async fn a_prompt_produces_the_documented_event_order() {
     let session = h.session().await;
     h.admit(session, "Hello?", Delivery::Queue).await;
     h.runner.run(session).await.unwrap();
-    assert_eq!(h.kinds(session).await, vec![
-        "created",
-        "prompt.admitted",
-        "prompt.execution_requested",
-        "execution.started",
-        "prompted",
-        "step.started",
-        "text.started",
-        "text.ended",
-        "step.ended",
-        "execution.settled",
-    ]);
+    assert_eq!(
+        h.kinds(session).await,
+        vec![
+            "created",
+            "prompt.admitted",
+            "prompt.execution_requested",
+            "execution.started",
+            "prompted",
+            "step.started",
+            "text.started",
+            "text.ended",
+            "step.ended",
+            "execution.settled",
+        ]
+    );
     assert!(!h.claim_exists(session).await);
     let log = h.log(session).await;
     let DurableEvent::TextEnded(ended) = &log[7].event else {
@@ -56,16 +59,19 @@ async fn local_tools_start_only_after_tool_called_commits_and_finish_before_the_
     let session = {
         // Recreate the same session id in the new harness's store.
         h.store
-            .append(session, vec![DurableEvent::Created(payload::Created {
-                title: None,
-                directory: h.workspace.path().to_string_lossy().into_owned(),
-                agent: "build".into(),
-                model: ModelRef {
-                    provider: "scripted".into(),
-                    id: "test".into(),
-                },
-                metadata: None,
-            })])
+            .append(
+                session,
+                vec![DurableEvent::Created(payload::Created {
+                    title: None,
+                    directory: h.workspace.path().to_string_lossy().into_owned(),
+                    agent: "build".into(),
+                    model: ModelRef {
+                        provider: "scripted".into(),
+                        id: "test".into(),
+                    },
+                    metadata: None,
+                })],
+            )
             .await
             .unwrap();
         session
@@ -83,7 +89,10 @@ async fn local_tools_start_only_after_tool_called_commits_and_finish_before_the_
 #[tokio::test]
 async fn a_tool_driven_continuation_sends_the_results_back_to_the_model() {
     let h = Harness::new(Setup {
-        script: Some(script(vec![vec![call("probe", json!({}))], vec![text("Done.")]])),
+        script: Some(script(vec![
+            vec![call("probe", json!({}))],
+            vec![text("Done.")],
+        ])),
         ..Setup::default()
     })
     .await;
@@ -93,7 +102,10 @@ async fn a_tool_driven_continuation_sends_the_results_back_to_the_model() {
     let requests = h.recording.requests.lock().unwrap().clone();
     assert_eq!(requests.len(), 2);
     let last = format!("{:?}", requests[1].turns.last().unwrap());
-    assert!(last.contains("ToolResults") && last.contains("probed"), "{last}");
+    assert!(
+        last.contains("ToolResults") && last.contains("probed"),
+        "{last}"
+    );
     let messages = h
         .store
         .read(move |c| keel_core::event::projector::messages(c, session))
@@ -105,7 +117,10 @@ async fn a_tool_driven_continuation_sends_the_results_back_to_the_model() {
 #[tokio::test]
 async fn steering_inputs_admitted_during_a_step_coalesce_into_one_continuation_turn() {
     let mut h = Harness::new(Setup {
-        script: Some(script(vec![vec![call("gate", json!({}))], vec![text("Both seen.")]])),
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Both seen.")],
+        ])),
         ..Setup::default()
     })
     .await;
@@ -120,8 +135,22 @@ async fn steering_inputs_admitted_during_a_step_coalesce_into_one_continuation_t
     run.await.unwrap().unwrap();
 
     let kinds = h.kinds(session).await;
-    let tail: Vec<&str> = kinds.iter().map(String::as_str).skip_while(|k| *k != "tool.success").collect();
-    assert_eq!(&tail[..6], &["tool.success", "step.ended", "prompted", "prompted", "step.started", "text.started"]);
+    let tail: Vec<&str> = kinds
+        .iter()
+        .map(String::as_str)
+        .skip_while(|k| *k != "tool.success")
+        .collect();
+    assert_eq!(
+        &tail[..6],
+        &[
+            "tool.success",
+            "step.ended",
+            "prompted",
+            "prompted",
+            "step.started",
+            "text.started"
+        ]
+    );
     let log = h.log(session).await;
     let promoted: Vec<_> = log
         .iter()
@@ -177,7 +206,10 @@ async fn a_queued_input_is_promoted_only_after_the_continuation_ends() {
 #[tokio::test]
 async fn a_model_switch_is_reloaded_before_a_tool_driven_continuation() {
     let mut h = Harness::new(Setup {
-        script: Some(script(vec![vec![call("gate", json!({}))], vec![text("On the new model.")]])),
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("On the new model.")],
+        ])),
         ..Setup::default()
     })
     .await;
@@ -191,9 +223,12 @@ async fn a_model_switch_is_reloaded_before_a_tool_driven_continuation() {
         id: "bigger".into(),
     };
     h.store
-        .append(session, vec![DurableEvent::ModelSwitched(payload::ModelSwitched {
-            model: switched.clone(),
-        })])
+        .append(
+            session,
+            vec![DurableEvent::ModelSwitched(payload::ModelSwitched {
+                model: switched.clone(),
+            })],
+        )
         .await
         .unwrap();
     h.release.notify_one();
@@ -224,9 +259,9 @@ async fn the_last_allowed_step_disables_tool_use_but_keeps_the_definitions() {
     assert!(!requests[1].tools.is_empty());
     assert_eq!(h.probe.runs.load(std::sync::atomic::Ordering::SeqCst), 1);
     let log = h.log(session).await;
-    let refused = log.iter().any(|e| {
-        matches!(&e.event, DurableEvent::ToolFailed(f) if f.error.kind == "tool.max-steps")
-    });
+    let refused = log.iter().any(
+        |e| matches!(&e.event, DurableEvent::ToolFailed(f) if f.error.kind == "tool.max-steps"),
+    );
     assert!(refused);
 }
 
@@ -282,8 +317,20 @@ async fn a_hosted_tool_left_unresolved_fails_before_the_step_ends() {
     h.admit(session, "search", Delivery::Queue).await;
     h.runner.run(session).await.unwrap();
     let kinds = h.kinds(session).await;
-    let tail: Vec<&str> = kinds.iter().map(String::as_str).skip_while(|k| *k != "tool.called").collect();
-    assert_eq!(tail, vec!["tool.called", "tool.failed", "step.ended", "execution.settled"]);
+    let tail: Vec<&str> = kinds
+        .iter()
+        .map(String::as_str)
+        .skip_while(|k| *k != "tool.called")
+        .collect();
+    assert_eq!(
+        tail,
+        vec![
+            "tool.called",
+            "tool.failed",
+            "step.ended",
+            "execution.settled"
+        ]
+    );
     let log = h.log(session).await;
     let message = log
         .iter()
@@ -292,7 +339,10 @@ async fn a_hosted_tool_left_unresolved_fails_before_the_step_ends() {
             _ => None,
         })
         .unwrap();
-    assert!(message.starts_with("Provider Step ended without settlement"), "{message}");
+    assert!(
+        message.starts_with("Provider Step ended without settlement"),
+        "{message}"
+    );
 }
 
 #[tokio::test]

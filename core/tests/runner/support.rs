@@ -89,14 +89,16 @@ impl Tool for Probe {
             if let (Some(store), Some(session)) = (store, input["session"].as_str()) {
                 let session: SessionId = session.parse().unwrap();
                 let log = store.read_log(session, 0, u32::MAX).await.unwrap();
-                let called = log.iter().any(|e| {
-                    matches!(&e.event, DurableEvent::ToolCalled(c) if c.name == "probe")
-                });
+                let called = log
+                    .iter()
+                    .any(|e| matches!(&e.event, DurableEvent::ToolCalled(c) if c.name == "probe"));
                 self.called_before_start.lock().unwrap().push(called);
             }
             Ok(Output {
                 structured: json!({"ok": true}),
-                content: vec![ToolContent::Text { text: "probed".into() }],
+                content: vec![ToolContent::Text {
+                    text: "probed".into(),
+                }],
             })
         })
     }
@@ -151,7 +153,6 @@ pub struct Harness {
     pub store: Store,
     pub runner: Runner,
     pub clock: Arc<ManualClock>,
-    pub owner: OwnerId,
     pub gate_started: mpsc::UnboundedReceiver<Value>,
     pub release: Arc<Notify>,
     pub probe: Arc<Probe>,
@@ -197,11 +198,14 @@ impl Harness {
     pub async fn new(setup: Setup) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let clock = Arc::new(ManualClock::new(1_764_690_000_000));
-        let store = Store::open(DbUrl::Sqlite(dir.path().join("keel.db")), Options {
-            clock: clock.clone(),
-            failpoint: setup.failpoint,
-            ..Options::default()
-        })
+        let store = Store::open(
+            DbUrl::Sqlite(dir.path().join("keel.db")),
+            Options {
+                clock: clock.clone(),
+                failpoint: setup.failpoint,
+                ..Options::default()
+            },
+        )
         .await
         .unwrap();
         let (gate_tx, gate_started) = mpsc::unbounded_channel();
@@ -212,7 +216,11 @@ impl Harness {
             called_before_start: Mutex::new(Vec::new()),
         });
         let recording = Arc::new(Recording {
-            inner: Scripted::new(setup.script.unwrap_or_else(|| script(vec![vec![text("Hello.")]]))),
+            inner: Scripted::new(
+                setup
+                    .script
+                    .unwrap_or_else(|| script(vec![vec![text("Hello.")]])),
+            ),
             requests: Mutex::new(Vec::new()),
         });
         let driven = Arc::new(Driven::default());
@@ -231,19 +239,21 @@ impl Harness {
         let mut agents = HashMap::new();
         agents.insert("build".into(), setup.agent.unwrap_or_default());
         let owner = OwnerId::new();
-        let runner = Runner::new(store.clone(), Settings {
-            owner,
-            lease_ms: LEASE,
-            agents,
-            providers,
-            tools: Registry::new(tools),
-            limits: tool::Limits::default(),
-        });
+        let runner = Runner::new(
+            store.clone(),
+            Settings {
+                owner,
+                lease_ms: LEASE,
+                agents,
+                providers,
+                tools: Registry::new(tools),
+                limits: tool::Limits::default(),
+            },
+        );
         Self {
             store,
             runner,
             clock,
-            owner,
             gate_started,
             release,
             probe,
@@ -258,16 +268,19 @@ impl Harness {
     pub async fn session_on(&self, provider: &str) -> SessionId {
         let id = SessionId::new();
         self.store
-            .append(id, vec![DurableEvent::Created(payload::Created {
-                title: None,
-                directory: self.workspace.path().to_string_lossy().into_owned(),
-                agent: "build".into(),
-                model: ModelRef {
-                    provider: provider.into(),
-                    id: "test".into(),
-                },
-                metadata: None,
-            })])
+            .append(
+                id,
+                vec![DurableEvent::Created(payload::Created {
+                    title: None,
+                    directory: self.workspace.path().to_string_lossy().into_owned(),
+                    agent: "build".into(),
+                    model: ModelRef {
+                        provider: provider.into(),
+                        id: "test".into(),
+                    },
+                    metadata: None,
+                })],
+            )
             .await
             .unwrap();
         id
@@ -300,7 +313,12 @@ impl Harness {
         self.log(session)
             .await
             .iter()
-            .map(|e| e.event.type_name().trim_start_matches("session.next.").to_owned())
+            .map(|e| {
+                e.event
+                    .type_name()
+                    .trim_start_matches("session.next.")
+                    .to_owned()
+            })
             .collect()
     }
 
