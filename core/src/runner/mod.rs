@@ -10,7 +10,9 @@
 //! `execution.settled`. [`Runner`] is the handle the service uses.
 
 mod context;
+mod publisher;
 mod step;
+mod tools;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};

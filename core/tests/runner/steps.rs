@@ -42,40 +42,15 @@ async fn a_prompt_produces_the_documented_event_order() {
 #[tokio::test]
 async fn local_tools_start_only_after_tool_called_commits_and_finish_before_the_step_settles() {
     let h = Harness::new(Setup {
-        script: Some(script(vec![vec![], vec![text("Done.")]])),
-        ..Setup::default()
-    })
-    .await;
-    let session = h.session().await;
-    // The script's first response is set per session: call the probe with the session id.
-    let h = Harness::new(Setup {
         script: Some(script(vec![
-            vec![call("probe", json!({"session": session.to_string()}))],
+            vec![call("probe", json!({}))],
             vec![text("Done.")],
         ])),
         ..Setup::default()
     })
     .await;
-    let session = {
-        // Recreate the same session id in the new harness's store.
-        h.store
-            .append(
-                session,
-                vec![DurableEvent::Created(payload::Created {
-                    title: None,
-                    directory: h.workspace.path().to_string_lossy().into_owned(),
-                    agent: "build".into(),
-                    model: ModelRef {
-                        provider: "scripted".into(),
-                        id: "test".into(),
-                    },
-                    metadata: None,
-                })],
-            )
-            .await
-            .unwrap();
-        session
-    };
+    let session = h.session().await;
+    *h.probe.session.lock().unwrap() = Some(session);
     h.admit(session, "probe it", Delivery::Queue).await;
     h.runner.run(session).await.unwrap();
     assert_eq!(*h.probe.called_before_start.lock().unwrap(), vec![true]);

@@ -59,9 +59,10 @@ impl Tool for Gate {
 }
 
 /// A tool that counts its runs and records, at each start, whether its `tool.called`
-/// had already committed.
+/// had already committed in the session the test names.
 pub struct Probe {
     pub store: Mutex<Option<Store>>,
+    pub session: Mutex<Option<SessionId>>,
     pub runs: AtomicUsize,
     pub called_before_start: Mutex<Vec<bool>>,
 }
@@ -82,12 +83,12 @@ impl Tool for Probe {
     fn permission_pattern(&self, _: &Value) -> String {
         "probe".into()
     }
-    fn run<'a>(&'a self, input: Value, _: &'a Context) -> Run<'a> {
+    fn run<'a>(&'a self, _: Value, _: &'a Context) -> Run<'a> {
         Box::pin(async move {
             self.runs.fetch_add(1, Ordering::SeqCst);
             let store = self.store.lock().unwrap().clone();
-            if let (Some(store), Some(session)) = (store, input["session"].as_str()) {
-                let session: SessionId = session.parse().unwrap();
+            let session = *self.session.lock().unwrap();
+            if let (Some(store), Some(session)) = (store, session) {
                 let log = store.read_log(session, 0, u32::MAX).await.unwrap();
                 let called = log
                     .iter()
@@ -212,6 +213,7 @@ impl Harness {
         let release = Arc::new(Notify::new());
         let probe = Arc::new(Probe {
             store: Mutex::new(Some(store.clone())),
+            session: Mutex::new(None),
             runs: AtomicUsize::new(0),
             called_before_start: Mutex::new(Vec::new()),
         });
