@@ -129,3 +129,43 @@ async fn input_arriving_during_an_interruption_stays_pending_for_a_later_run() {
         .unwrap();
     assert_eq!(pending, vec![]);
 }
+
+#[tokio::test]
+async fn a_failed_cleanup_keeps_the_claim_cancelling_and_surfaces_the_cause() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use keel_core::store::Failpoint;
+    use keel_schema::types::Phase;
+
+    let from = Arc::new(AtomicU64::new(u64::MAX));
+    let threshold = from.clone();
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![vec![call("gate", json!({}))]])),
+        failpoint: Some(Failpoint(Arc::new(move |ordinal| {
+            ordinal >= threshold.load(Ordering::SeqCst)
+        }))),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session().await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    h.gate_started.recv().await.unwrap();
+    assert!(h.runner.interrupt(session).await);
+    // From now on the database refuses every commit.
+    from.store(h.store.stats().0, Ordering::SeqCst);
+    let outcome = run.await.unwrap();
+    let Err(RunError::Failed(Error::Store(cause))) = outcome else {
+        panic!("expected the cleanup's failure, got {outcome:?}")
+    };
+    assert!(cause.contains("failpoint"), "{cause}");
+    let claim = h
+        .store
+        .read(move |c| keel_core::execution::get(c, session))
+        .await
+        .unwrap()
+        .expect("the claim stays for recovery");
+    assert_eq!(claim.phase, Phase::Cancelling);
+}
