@@ -4,6 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
+use keel_core::clock::Clock;
 use keel_core::coordinator::RunError;
 use keel_core::provider::Event;
 use keel_core::runner::{Error, Live};
@@ -143,4 +144,56 @@ async fn interrupted_tool_reconciliation_publishes_nothing_after_ownership_chang
         Err(RunError::Failed(Error::OwnershipLost(session)))
     );
     assert_eq!(h.kinds(session).await, before);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_renewal_loop_extends_the_lease_of_a_running_execution() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Done.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session().await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let runner = h.runner.clone();
+    let run = tokio::spawn(async move { runner.run(session).await });
+    h.gate_started.recv().await.unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let renewing = {
+        let runner = h.runner.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { runner.renew_leases(shutdown).await })
+    };
+    // Two thirds of the lease pass without a write; the loop must renew before it ends.
+    h.clock.advance(LEASE * 2 / 3);
+    let target = h.clock.now_ms() + LEASE;
+    let mut renewed = false;
+    for _ in 0..100 {
+        // Paused time: this lets the renewal timer fire without waiting in real time.
+        tokio::time::sleep(std::time::Duration::from_millis(
+            u64::try_from(LEASE / 3).unwrap(),
+        ))
+        .await;
+        let claim = h
+            .store
+            .read(move |c| keel_core::execution::get(c, session))
+            .await
+            .unwrap()
+            .unwrap();
+        if claim.expires_at == target {
+            renewed = true;
+            break;
+        }
+    }
+    assert!(renewed, "the lease was not renewed");
+    // Past the original lease the execution still owns its session and finishes.
+    h.clock.advance(LEASE / 2);
+    h.release.notify_one();
+    run.await.unwrap().unwrap();
+    shutdown.cancel();
+    renewing.await.unwrap();
+    assert!(!h.claim_exists(session).await);
 }
