@@ -20,9 +20,7 @@ async fn interrupting_a_running_tool_fails_it_durably_with_exactly_one_step_inte
     .await;
     let session = h.session().await;
     h.admit(session, "go", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     assert!(h.runner.interrupt(session).await);
     assert_eq!(
         run.await.unwrap(),
@@ -61,8 +59,7 @@ async fn interrupting_a_streaming_step_publishes_one_step_interrupted_and_clears
     h.admit(session, "go", Delivery::Queue).await;
     let stream = h.driven.queue();
     let mut live = h.runner.subscribe();
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
+    let run = h.spawn_run(session);
     stream.send(Ok(Event::TextStart)).unwrap();
     loop {
         if let keel_core::runner::Live::Durable(e) = live.recv().await.unwrap()
@@ -108,9 +105,7 @@ async fn input_arriving_during_an_interruption_stays_pending_for_a_later_run() {
     .await;
     let session = h.session().await;
     h.admit(session, "go", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     assert!(h.runner.interrupt(session).await);
     h.admit(session, "steer", Delivery::Steer).await;
     h.admit(session, "queued", Delivery::Queue).await;
@@ -150,9 +145,7 @@ async fn a_failed_cleanup_keeps_the_claim_cancelling_and_surfaces_the_cause() {
     .await;
     let session = h.session().await;
     h.admit(session, "go", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     assert!(h.runner.interrupt(session).await);
     // From now on the database refuses every commit.
     from.store(h.store.stats().0, Ordering::SeqCst);

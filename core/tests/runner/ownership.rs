@@ -32,9 +32,7 @@ async fn no_provider_request_is_dispatched_after_ownership_changes() {
     .await;
     let session = h.session().await;
     h.admit(session, "go", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     lose_ownership(&h, session).await;
     let before = h.kinds(session).await;
     h.release.notify_one();
@@ -55,8 +53,7 @@ async fn output_of_a_stream_that_began_before_ownership_changed_is_not_published
     h.admit(session, "go", Delivery::Queue).await;
     let stream = h.driven.queue();
     let mut live = h.runner.subscribe();
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
+    let run = h.spawn_run(session);
     stream.send(Ok(Event::TextStart)).unwrap();
     stream.send(Ok(Event::TextDelta("before".into()))).unwrap();
     loop {
@@ -95,8 +92,7 @@ async fn no_local_tool_starts_after_ownership_changes() {
     h.admit(session, "go", Delivery::Queue).await;
     let stream = h.driven.queue();
     let mut live = h.runner.subscribe();
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
+    let run = h.spawn_run(session);
     stream.send(Ok(Event::TextStart)).unwrap();
     loop {
         if let Live::Durable(e) = live.recv().await.unwrap()
@@ -133,9 +129,7 @@ async fn interrupted_tool_reconciliation_publishes_nothing_after_ownership_chang
     .await;
     let session = h.session().await;
     h.admit(session, "go", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     lose_ownership(&h, session).await;
     let before = h.kinds(session).await;
     assert!(h.runner.interrupt(session).await);
@@ -158,9 +152,7 @@ async fn the_renewal_loop_extends_the_lease_of_a_running_execution() {
     .await;
     let session = h.session().await;
     h.admit(session, "go", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let renewing = {
         let runner = h.runner.clone();

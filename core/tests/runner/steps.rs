@@ -101,9 +101,7 @@ async fn steering_inputs_admitted_during_a_step_coalesce_into_one_continuation_t
     .await;
     let session = h.session().await;
     h.admit(session, "start", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     let first = h.admit(session, "steer one", Delivery::Steer).await;
     let second = h.admit(session, "steer two", Delivery::Steer).await;
     h.release.notify_one();
@@ -152,9 +150,7 @@ async fn a_queued_input_is_promoted_only_after_the_continuation_ends() {
     .await;
     let session = h.session().await;
     h.admit(session, "start", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     h.admit(session, "later", Delivery::Queue).await;
     h.release.notify_one();
     run.await.unwrap().unwrap();
@@ -190,9 +186,7 @@ async fn a_model_switch_is_reloaded_before_a_tool_driven_continuation() {
     .await;
     let session = h.session().await;
     h.admit(session, "start", Delivery::Queue).await;
-    let runner = h.runner.clone();
-    let run = tokio::spawn(async move { runner.run(session).await });
-    h.gate_started.recv().await.unwrap();
+    let run = h.run_to_gate(session).await;
     let switched = ModelRef {
         provider: "other".into(),
         id: "bigger".into(),

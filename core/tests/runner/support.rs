@@ -6,10 +6,11 @@ use std::sync::{Arc, Mutex};
 
 use diesel::RunQueryDsl;
 use keel_core::clock::ManualClock;
+use keel_core::coordinator::RunError;
 use keel_core::inbox::{self, Admission};
 use keel_core::provider::scripted::{Item, Response, Script, Scripted};
 use keel_core::provider::{self, Event, EventStream, Provider};
-use keel_core::runner::{Agent, Runner, Settings};
+use keel_core::runner::{self, Agent, Runner, Settings};
 use keel_core::store::{self, DbUrl, Failpoint, Options, Store};
 use keel_core::tool::{self, Context, Output, Registry, Run, Tool};
 use keel_schema::event::{DurableEvent, Envelope, payload};
@@ -304,6 +305,25 @@ impl Harness {
             .unwrap()
             .input
             .id
+    }
+
+    /// Runs the session in a task; the handle resolves when its busy period settled.
+    pub fn spawn_run(
+        &self,
+        session: SessionId,
+    ) -> tokio::task::JoinHandle<Result<(), RunError<runner::Error>>> {
+        let runner = self.runner.clone();
+        tokio::spawn(async move { runner.run(session).await })
+    }
+
+    /// Runs the session in a task and returns once the gate tool has started.
+    pub async fn run_to_gate(
+        &mut self,
+        session: SessionId,
+    ) -> tokio::task::JoinHandle<Result<(), RunError<runner::Error>>> {
+        let run = self.spawn_run(session);
+        self.gate_started.recv().await.unwrap();
+        run
     }
 
     pub async fn log(&self, session: SessionId) -> Vec<Envelope> {
