@@ -342,3 +342,40 @@ async fn a_hosted_tool_result_is_recorded_with_its_raw_result() {
         .unwrap();
     assert_eq!(success.result, Some(json!({"hits": 3})));
 }
+
+/// A 1×1 transparent PNG.
+const PIXEL_PNG: &[u8] = &[
+    0x89, 0x50, 0x4E, 0x47, 0x0D, 0x0A, 0x1A, 0x0A, 0x00, 0x00, 0x00, 0x0D, 0x49, 0x48, 0x44, 0x52,
+    0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x01, 0x08, 0x06, 0x00, 0x00, 0x00, 0x1F, 0x15, 0xC4,
+    0x89, 0x00, 0x00, 0x00, 0x0A, 0x49, 0x44, 0x41, 0x54, 0x78, 0x9C, 0x63, 0x00, 0x01, 0x00, 0x00,
+    0x05, 0x00, 0x01, 0x0D, 0x0A, 0x2D, 0xB4, 0x00, 0x00, 0x00, 0x00, 0x49, 0x45, 0x4E, 0x44, 0xAE,
+    0x42, 0x60, 0x82,
+];
+
+#[tokio::test]
+async fn an_image_read_by_a_tool_is_stored_once_in_the_event_log() {
+    use base64::Engine as _;
+
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("read", json!({"path": "pixel.png"}))],
+            vec![text("A pixel.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    std::fs::write(h.workspace.path().join("pixel.png"), PIXEL_PNG).unwrap();
+    let session = h.session().await;
+    h.admit(session, "look", Delivery::Queue).await;
+    h.runner.run(session).await.unwrap();
+    let encoded = base64::engine::general_purpose::STANDARD.encode(PIXEL_PNG);
+    let stored: String = h
+        .store
+        .read(move |c| keel_core::event::log::read_raw(c, session, 0, u32::MAX))
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.data.to_string())
+        .collect();
+    assert_eq!(stored.matches(&encoded).count(), 1);
+}
