@@ -9,11 +9,13 @@
 //! - [`clock`]: injectable time.
 
 pub mod clock;
+pub mod config;
 pub mod coordinator;
 pub mod event;
 pub mod execution;
 pub mod inbox;
 pub mod provider;
 pub mod runner;
+pub mod server;
 pub mod store;
 pub mod tool;

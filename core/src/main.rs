@@ -1,11 +1,22 @@
-//! The `keel` binary.
-//!
-//! Only the command-line surface exists so far; the engine behind it (store, execution,
-//! server) is being built issue by issue. Commands that are not built yet say so and fail.
+//! The `keel` binary: `keel serve` runs the service; `keel events` prints the catalog.
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use keel_core::clock::{Clock, SystemClock};
+use keel_core::config::Config;
+use keel_core::execution;
+use keel_core::runner::{Runner, Settings};
+use keel_core::server::{self, Limits, Shared};
+use keel_core::store::{DbUrl, Options, Store};
+use keel_core::tool;
+use keel_schema::id::OwnerId;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
 #[command(
@@ -21,19 +32,57 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the HTTP service.
-    Serve,
+    Serve(Serve),
     /// Print the event catalog: every event type, version and durability.
     Events,
 }
 
+#[derive(clap::Args)]
+struct Serve {
+    /// keel.toml; without one, the built-in scripted demo model is served.
+    #[arg(long, env = "KEEL_CONFIG")]
+    config: Option<PathBuf>,
+    /// sqlite://PATH (taken literally) or postgres://user@host:port/db.
+    #[arg(long, env = "KEEL_DB", default_value = "sqlite://keel.db")]
+    db: String,
+    /// Address to listen on; port 0 picks a free port.
+    #[arg(long, env = "KEEL_LISTEN", default_value = "127.0.0.1:4096")]
+    listen: SocketAddr,
+    /// Bearer token required on every route but health.
+    #[arg(long, env = "KEEL_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Request bodies over this many bytes are refused with 413.
+    #[arg(long, env = "KEEL_BODY_LIMIT", default_value_t = 16 * 1024 * 1024)]
+    body_limit: usize,
+    /// Lease of an execution claim, in milliseconds.
+    #[arg(long, env = "KEEL_LEASE_MS", default_value_t = 30_000)]
+    lease_ms: i64,
+}
+
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Serve => {
-            eprintln!(
-                "keel serve is not built yet: this build has the event catalog and contracts \
-                 only (see the README's status list)"
-            );
-            ExitCode::from(2)
+        Command::Serve(serve) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    eprintln!("error: starting the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(run(serve)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Command::Events => {
             for entry in keel_schema::event::catalog() {
@@ -45,5 +94,102 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+    }
+}
+
+async fn run(serve: Serve) -> Result<()> {
+    if !serve.listen.ip().is_loopback() && serve.token.is_none() {
+        bail!(
+            "refusing to listen on {} without a token: set KEEL_TOKEN (or --token), or listen \
+             on a loopback address",
+            serve.listen
+        );
+    }
+    if serve.lease_ms < 100 {
+        bail!(
+            "KEEL_LEASE_MS must be at least 100 (got {})",
+            serve.lease_ms
+        );
+    }
+    let config = Config::load(serve.config.as_deref())?;
+    let url: DbUrl = serve.db.parse()?;
+    let store = Store::open(url.clone(), Options::default()).await?;
+    let owner = OwnerId::new();
+    let runner = Runner::new(
+        store.clone(),
+        Settings {
+            owner,
+            lease_ms: serve.lease_ms,
+            agents: config.agents()?,
+            providers: config.providers()?,
+            tools: tool::builtins(),
+            limits: tool::Limits::default(),
+        },
+    );
+    let shutdown = CancellationToken::new();
+    let renewing = tokio::spawn({
+        let runner = runner.clone();
+        let shutdown = shutdown.clone();
+        async move { runner.renew_leases(shutdown).await }
+    });
+    let listener = tokio::net::TcpListener::bind(serve.listen)
+        .await
+        .with_context(|| format!("binding {}", serve.listen))?;
+    let address = listener.local_addr()?;
+    let state = Arc::new(Shared {
+        store: store.clone(),
+        runner,
+        config,
+        token: serve.token,
+        heartbeat: Duration::from_secs(15),
+        started_at: SystemClock.now_ms(),
+    });
+    let app = server::router(
+        state,
+        &Limits {
+            body_bytes: serve.body_limit,
+        },
+    );
+    println!("keel listening on http://{address} (database {url}, owner {owner})");
+
+    let signalled = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        signalled.cancel();
+    });
+    let stopped = shutdown.clone();
+    let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
+        stopped.cancelled().await;
+    });
+    tokio::select! {
+        served = serving => served.context("serving HTTP")?,
+        // Open event streams never end by themselves; give requests a moment, then go.
+        () = async { shutdown.cancelled().await; tokio::time::sleep(Duration::from_secs(3)).await } => {}
+    }
+    renewing.abort();
+    // Hand the claims back at once, so a restarted keel recovers them without waiting.
+    let expired = store
+        .write(move |c| execution::expire_all(c, SystemClock.now_ms(), owner))
+        .await?;
+    tracing::info!(expired, "claims handed back");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
     }
 }

@@ -44,3 +44,58 @@ pub fn keel_binary() -> &'static Path {
             .expect("cargo reports the keel executable it built")
     })
 }
+
+/// A `keel serve` process on a free loopback port with its own SQLite database, killed
+/// when dropped.
+pub struct Server {
+    pub base_url: String,
+    child: std::process::Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// Starts `keel serve` with `args` added, and waits until it listens.
+    pub fn start(args: &[&str]) -> Self {
+        use std::io::{BufRead, BufReader};
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let db = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let mut child = Command::new(keel_binary())
+            .args(["serve", "--listen", "127.0.0.1:0", "--db", &db])
+            .args(args)
+            .current_dir(dir.path())
+            .env_remove("KEEL_TOKEN")
+            .env_remove("KEEL_CONFIG")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("keel starts");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("keel prints where it listens");
+        let base_url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_owned();
+        Self {
+            base_url,
+            child,
+            _dir: dir,
+        }
+    }
+
+    /// The directory the server runs in (the default session directory).
+    pub fn directory(&self) -> &Path {
+        self._dir.path()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // The process may already be gone; either way it must not outlive the test.
+        drop(self.child.kill());
+        drop(self.child.wait());
+    }
+}

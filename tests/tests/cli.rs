@@ -26,14 +26,6 @@ fn keel_events_prints_every_catalog_entry() {
 }
 
 #[test]
-fn keel_serve_says_plainly_that_it_is_not_built_yet() {
-    let output = Command::new(keel_binary()).arg("serve").output().unwrap();
-    assert_eq!(output.status.code(), Some(2));
-    let stderr = String::from_utf8(output.stderr).unwrap();
-    assert!(stderr.contains("keel serve is not built yet"), "{stderr}");
-}
-
-#[test]
 fn keel_rejects_an_unknown_command_with_usage() {
     let output = Command::new(keel_binary()).arg("serv").output().unwrap();
     assert_eq!(output.status.code(), Some(2));

@@ -917,3 +917,129 @@ pub fn unresolved_tools(
         })
         .collect()
 }
+
+type SessionRow = (
+    String,
+    Option<String>,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    i64,
+    i64,
+    (i64, i64, i64, i64, i64),
+    f64,
+);
+
+fn api_session(row: SessionRow) -> Result<keel_schema::api::Session, Error> {
+    let (id, title, directory, agent, provider, model, created, updated, last_seq, usage, cost) =
+        row;
+    Ok(keel_schema::api::Session {
+        id: id
+            .parse()
+            .map_err(|e| Error::Corrupt(format!("session id {id}: {e}")))?,
+        title,
+        directory,
+        agent,
+        model: keel_schema::types::ModelRef {
+            provider,
+            id: model,
+        },
+        time_created: created,
+        time_updated: updated,
+        usage: Usage {
+            input: from_db_int(usage.0)?,
+            output: from_db_int(usage.1)?,
+            reasoning: from_db_int(usage.2)?,
+            cache_read: from_db_int(usage.3)?,
+            cache_write: from_db_int(usage.4)?,
+        },
+        cost,
+        last_seq: from_db_int(last_seq)?,
+    })
+}
+
+macro_rules! session_columns {
+    () => {
+        (
+            session::id,
+            session::title,
+            session::directory,
+            session::agent,
+            session::model_provider,
+            session::model_id,
+            session::time_created,
+            session::time_updated,
+            session::last_seq,
+            (
+                session::usage_input,
+                session::usage_output,
+                session::usage_reasoning,
+                session::usage_cache_read,
+                session::usage_cache_write,
+            ),
+            session::cost,
+        )
+    };
+}
+
+/// A session as the API shows it; `None` when unknown or deleted.
+pub fn session(
+    connection: &mut Conn,
+    session_id: SessionId,
+) -> Result<Option<keel_schema::api::Session>, Error> {
+    session::table
+        .find(session_id.to_string())
+        .filter(session::deleted_at.is_null())
+        .select(session_columns!())
+        .first::<SessionRow>(connection)
+        .optional()?
+        .map(api_session)
+        .transpose()
+}
+
+/// A page of sessions, newest first, after the session `cursor` (exclusive).
+pub fn sessions(
+    connection: &mut Conn,
+    cursor: Option<SessionId>,
+    limit: u32,
+) -> Result<Vec<keel_schema::api::Session>, Error> {
+    let mut query = session::table
+        .filter(session::deleted_at.is_null())
+        .order((session::time_created.desc(), session::id.desc()))
+        .limit(i64::from(limit))
+        .select(session_columns!())
+        .into_boxed();
+    if let Some(cursor) = cursor {
+        let created: Option<i64> = session::table
+            .find(cursor.to_string())
+            .select(session::time_created)
+            .first(connection)
+            .optional()?;
+        let Some(created) = created else {
+            return Ok(Vec::new());
+        };
+        query = query.filter(
+            session::time_created.lt(created).or(session::time_created
+                .eq(created)
+                .and(session::id.lt(cursor.to_string()))),
+        );
+    }
+    query
+        .load::<SessionRow>(connection)?
+        .into_iter()
+        .map(api_session)
+        .collect()
+}
+
+/// How many inputs of the session wait for promotion.
+pub fn pending_inputs(connection: &mut Conn, session_id: SessionId) -> Result<u32, Error> {
+    let count: i64 = session_input::table
+        .filter(session_input::session_id.eq(session_id.to_string()))
+        .filter(session_input::promoted_seq.is_null())
+        .filter(session_input::cancelled_seq.is_null())
+        .count()
+        .get_result(connection)?;
+    u32::try_from(count).map_err(|_| Error::Corrupt(format!("{count} pending inputs")))
+}

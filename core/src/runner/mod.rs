@@ -201,6 +201,22 @@ impl Runner {
         self.engine().live.subscribe()
     }
 
+    /// Publishes events committed outside the runner (admission, renames) to live
+    /// subscribers.
+    pub fn announce(&self, envelopes: &[Envelope]) {
+        self.engine().broadcast(envelopes);
+    }
+
+    /// This process's owner id.
+    pub fn owner(&self) -> OwnerId {
+        self.engine().settings.owner
+    }
+
+    /// How many executions this process holds.
+    pub fn held(&self) -> usize {
+        lock(&self.engine().held).len()
+    }
+
     /// Asks for a drain of the session (an advisory wake).
     pub fn wake(&self, session: SessionId, scope: Scope) {
         self.coordinator.wake(session, scope);

@@ -1,0 +1,263 @@
+//! Configuration: `keel.toml`, environment variables and flags.
+//!
+//! ```toml
+//! default_model = "demo/scripted"
+//! [provider.demo]
+//! kind = "scripted"              # scripted today; openai and anthropic are being built
+//! script = "script.json"         # optional; the built-in demo script otherwise
+//! [model."demo/scripted"]
+//! context = 128000
+//! output = 8192
+//! [agent.build]
+//! system = "You are …"
+//! max_steps = 50
+//! [agent.build.permissions]
+//! bash = "ask"                   # allow (default), ask, deny
+//! ```
+//!
+//! With no file, Keel serves the built-in scripted demo model as `demo/scripted`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::provider::Provider;
+use crate::provider::scripted::Scripted;
+use crate::runner::{Agent, Policy};
+
+/// What can be wrong with the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("could not read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not valid keel.toml: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A provider entry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderConfig {
+    /// `scripted` (built); `openai` and `anthropic` are recognised but not built yet.
+    pub kind: String,
+    pub base_url: Option<String>,
+    pub api_key_env: Option<String>,
+    /// For `scripted`: a JSON script file, relative to the config file.
+    pub script: Option<PathBuf>,
+}
+
+/// A model's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub context: u64,
+    pub output: u64,
+}
+
+/// An agent entry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub system: Option<String>,
+    pub max_steps: Option<u32>,
+    #[serde(default)]
+    pub permissions: HashMap<String, String>,
+}
+
+/// `keel.toml`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub default_model: String,
+    #[serde(default)]
+    pub provider: HashMap<String, ProviderConfig>,
+    #[serde(default)]
+    pub model: HashMap<String, ModelConfig>,
+    #[serde(default)]
+    pub agent: HashMap<String, AgentConfig>,
+    /// Where relative paths in the file are resolved from.
+    #[serde(skip)]
+    pub base: PathBuf,
+}
+
+/// The demo provider's name and the default model with no configuration.
+pub const DEMO_MODEL: &str = "demo/scripted";
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            default_model: DEMO_MODEL.into(),
+            provider: HashMap::from([(
+                "demo".to_owned(),
+                ProviderConfig {
+                    kind: "scripted".into(),
+                    base_url: None,
+                    api_key_env: None,
+                    script: None,
+                },
+            )]),
+            model: HashMap::new(),
+            agent: HashMap::new(),
+            base: PathBuf::from("."),
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path`, or the defaults when `path` is `None`.
+    pub fn load(path: Option<&Path>) -> Result<Self, Error> {
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mut config = Self::parse(&text).map_err(|message| Error::Parse {
+            path: path.to_owned(),
+            message,
+        })?;
+        config.base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Ok(config)
+    }
+
+    /// Parses the text of a `keel.toml`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let config: Self = toml::from_str(text).map_err(|e| e.to_string())?;
+        let (provider, _) = config.default_model.split_once('/').ok_or_else(|| {
+            format!(
+                "default_model `{}` is not `provider/model`",
+                config.default_model
+            )
+        })?;
+        if !config.provider.contains_key(provider) {
+            return Err(format!(
+                "default_model `{}` names provider `{provider}`, which has no [provider.{provider}] table",
+                config.default_model
+            ));
+        }
+        Ok(config)
+    }
+
+    /// The providers, built.
+    pub fn providers(&self) -> Result<HashMap<String, Arc<dyn Provider>>, Error> {
+        let mut built: HashMap<String, Arc<dyn Provider>> = HashMap::new();
+        for (name, provider) in &self.provider {
+            let adapter: Arc<dyn Provider> = match provider.kind.as_str() {
+                "scripted" => match &provider.script {
+                    None => Arc::new(Scripted::demo()),
+                    Some(file) => {
+                        let path = self.base.join(file);
+                        let text =
+                            std::fs::read_to_string(&path).map_err(|source| Error::Read {
+                                path: path.clone(),
+                                source,
+                            })?;
+                        Arc::new(Scripted::from_json(&text).map_err(|e| {
+                            Error::Invalid(format!(
+                                "the script {} is not valid: {e}",
+                                path.display()
+                            ))
+                        })?)
+                    }
+                },
+                kind @ ("openai" | "anthropic") => {
+                    return Err(Error::Invalid(format!(
+                        "provider `{name}`: the `{kind}` adapter is not built yet in this keel; \
+                         use kind = \"scripted\""
+                    )));
+                }
+                other => {
+                    return Err(Error::Invalid(format!(
+                        "provider `{name}` has unknown kind `{other}` (scripted, openai, anthropic)"
+                    )));
+                }
+            };
+            built.insert(name.clone(), adapter);
+        }
+        Ok(built)
+    }
+
+    /// The agents, with `build` always present.
+    pub fn agents(&self) -> Result<HashMap<String, Agent>, Error> {
+        let mut agents = HashMap::from([("build".to_owned(), Agent::default())]);
+        for (name, entry) in &self.agent {
+            let mut agent = Agent::default();
+            if let Some(system) = &entry.system {
+                agent.system = system.clone();
+            }
+            if let Some(max_steps) = entry.max_steps {
+                agent.max_steps = max_steps.max(1);
+            }
+            for (tool, policy) in &entry.permissions {
+                let policy = match policy.as_str() {
+                    "allow" => Policy::Allow,
+                    "ask" => Policy::Ask,
+                    "deny" => Policy::Deny,
+                    other => {
+                        return Err(Error::Invalid(format!(
+                            "agent `{name}`: permission `{other}` for `{tool}` is not allow, ask or deny"
+                        )));
+                    }
+                };
+                agent.permissions.insert(tool.clone(), policy);
+            }
+            agents.insert(name.clone(), agent);
+        }
+        Ok(agents)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_file_means_the_demo_model() {
+        let config = Config::load(None).unwrap();
+        assert_eq!(config.default_model, DEMO_MODEL);
+        assert!(config.providers().unwrap().contains_key("demo"));
+    }
+
+    #[test]
+    fn a_full_file_parses_with_agents_and_permissions() {
+        let config = Config::parse(
+            r#"
+            default_model = "demo/scripted"
+            [provider.demo]
+            kind = "scripted"
+            [model."demo/scripted"]
+            context = 1000
+            output = 100
+            [agent.build]
+            max_steps = 3
+            [agent.build.permissions]
+            bash = "ask"
+            "#,
+        )
+        .unwrap();
+        let agents = config.agents().unwrap();
+        assert_eq!(agents["build"].max_steps, 3);
+        assert_eq!(agents["build"].permissions["bash"], Policy::Ask);
+    }
+
+    #[test]
+    fn mistakes_are_named() {
+        let unknown = Config::parse("default_model = \"x/y\"\nfoo = 1").unwrap_err();
+        assert!(unknown.contains("unknown field `foo`"), "{unknown}");
+        let missing = Config::parse("default_model = \"x/y\"").unwrap_err();
+        assert!(missing.contains("[provider.x]"), "{missing}");
+        let config =
+            Config::parse("default_model = \"o/m\"\n[provider.o]\nkind = \"openai\"").unwrap();
+        let err = config.providers().err().unwrap().to_string();
+        assert!(err.contains("not built yet"), "{err}");
+    }
+}

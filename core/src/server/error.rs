@@ -1,0 +1,108 @@
+//! API errors: `{"error": {"type", "message"}}` with the status of their type.
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use keel_schema::api::{ErrorBody, ErrorDetail, ErrorType};
+
+use crate::{inbox, runner, store};
+
+/// An error answered to a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub kind: ErrorType,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(kind: ErrorType, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(ErrorType::BadRequest, message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(ErrorType::NotFound, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        if status.is_server_error() {
+            tracing::error!(message = %self.message, "request failed");
+        }
+        let body = ErrorBody {
+            error: ErrorDetail {
+                kind: self.kind,
+                message: self.message,
+            },
+        };
+        (status, Json(body)).into_response()
+    }
+}
+
+impl From<store::Error> for ApiError {
+    fn from(e: store::Error) -> Self {
+        match e {
+            store::Error::SessionNotFound(_) => Self::not_found(e.to_string()),
+            store::Error::SessionDeleted(_) | store::Error::SessionExists(_) => {
+                Self::new(ErrorType::Conflict, e.to_string())
+            }
+            store::Error::Projection { .. } => Self::new(ErrorType::Unprocessable, e.to_string()),
+            _ => Self::new(ErrorType::Internal, e.to_string()),
+        }
+    }
+}
+
+impl From<inbox::Error> for ApiError {
+    fn from(e: inbox::Error) -> Self {
+        match e {
+            inbox::Error::Conflict { .. } | inbox::Error::NotPending { .. } => {
+                Self::new(ErrorType::Conflict, e.to_string())
+            }
+            inbox::Error::Invalid(_) => Self::new(ErrorType::Unprocessable, e.to_string()),
+            inbox::Error::NotFound { .. } => Self::not_found(e.to_string()),
+            inbox::Error::Store(e) => e.into(),
+        }
+    }
+}
+
+impl From<runner::Error> for ApiError {
+    fn from(e: runner::Error) -> Self {
+        Self::new(ErrorType::Internal, e.to_string())
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(e: JsonRejection) -> Self {
+        match e {
+            JsonRejection::BytesRejection(_) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Self::new(
+                    ErrorType::PayloadTooLarge,
+                    "the body is over the size limit",
+                )
+            }
+            other => Self::bad_request(other.body_text()),
+        }
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(e: PathRejection) -> Self {
+        Self::bad_request(e.body_text())
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(e: QueryRejection) -> Self {
+        Self::bad_request(e.body_text())
+    }
+}

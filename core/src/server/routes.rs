@@ -1,0 +1,425 @@
+//! The JSON routes.
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use keel_schema::api::{
+    Accepted, CreateSession, ErrorType, ExecutionStatus, Health, InterruptResponse,
+    ListSessionsQuery, MessageList, Node, NodeList, PermissionReply, PromptRequest, PromptResponse,
+    QuestionReply, Session, SessionList, SessionStatus, UpdateSession,
+};
+use keel_schema::event::{DurableEvent, Envelope, payload};
+use keel_schema::id::{RequestId, SessionId};
+use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef};
+
+use super::{ApiError, AppState};
+use crate::coordinator::Scope;
+use crate::event::{log, projector};
+use crate::execution;
+use crate::inbox::{self, Admission, Admitted};
+use crate::runner::Reply;
+use crate::store;
+
+type Result<T> = std::result::Result<T, ApiError>;
+
+fn session_id(path: std::result::Result<Path<String>, PathRejection>) -> Result<SessionId> {
+    let Path(id) = path?;
+    id.parse()
+        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))
+}
+
+fn ids(
+    path: std::result::Result<Path<(String, String)>, PathRejection>,
+) -> Result<(SessionId, RequestId)> {
+    let Path((session, request)) = path?;
+    let session = session
+        .parse()
+        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))?;
+    let request = request
+        .parse()
+        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))?;
+    Ok((session, request))
+}
+
+async fn existing(state: &AppState, id: SessionId) -> Result<Session> {
+    state
+        .store
+        .read(move |c| projector::session(c, id))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no session {id}")))
+}
+
+pub async fn health() -> Json<Health> {
+    Json(Health {
+        ok: true,
+        version: env!("CARGO_PKG_VERSION").into(),
+    })
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::not_found("no such route")
+}
+
+/// A model text checked against the configuration.
+fn model(state: &AppState, text: &str) -> Result<ModelRef> {
+    let model: ModelRef = text
+        .parse()
+        .map_err(|e: keel_schema::types::ParseModelRefError| {
+            ApiError::bad_request(e.to_string())
+        })?;
+    if !state.config.provider.contains_key(&model.provider) {
+        return Err(ApiError::new(
+            ErrorType::Unprocessable,
+            format!("no provider `{}` is configured", model.provider),
+        ));
+    }
+    Ok(model)
+}
+
+fn agent(state: &AppState, name: &str) -> Result<String> {
+    if name == "build" || state.config.agent.contains_key(name) {
+        Ok(name.to_owned())
+    } else {
+        Err(ApiError::new(
+            ErrorType::Unprocessable,
+            format!("no agent `{name}` is configured"),
+        ))
+    }
+}
+
+pub async fn create_session(
+    State(state): State<AppState>,
+    body: std::result::Result<Json<CreateSession>, JsonRejection>,
+) -> Result<(StatusCode, Json<Session>)> {
+    let Json(body) = body?;
+    let directory = match body.directory {
+        Some(directory) => directory,
+        None => std::env::current_dir()
+            .map_err(|e| ApiError::new(ErrorType::Internal, format!("no working directory: {e}")))?
+            .to_string_lossy()
+            .into_owned(),
+    };
+    if !std::path::Path::new(&directory).is_dir() {
+        return Err(ApiError::bad_request(format!(
+            "the directory {directory} does not exist"
+        )));
+    }
+    let model = model(
+        &state,
+        body.model.as_deref().unwrap_or(&state.config.default_model),
+    )?;
+    let agent = agent(&state, body.agent.as_deref().unwrap_or("build"))?;
+    let id = SessionId::new();
+    let written = state
+        .store
+        .append(
+            id,
+            vec![DurableEvent::Created(payload::Created {
+                title: body.title,
+                directory,
+                agent,
+                model,
+                metadata: None,
+            })],
+        )
+        .await?;
+    state.runner.announce(&written);
+    Ok((StatusCode::CREATED, Json(existing(&state, id).await?)))
+}
+
+pub async fn list_sessions(
+    State(state): State<AppState>,
+    query: std::result::Result<Query<ListSessionsQuery>, QueryRejection>,
+) -> Result<Json<SessionList>> {
+    let Query(query) = query?;
+    let limit = query.limit.unwrap_or(50);
+    if !(1..=200).contains(&limit) {
+        return Err(ApiError::bad_request("limit must be between 1 and 200"));
+    }
+    let cursor = query
+        .cursor
+        .map(|c| c.parse::<SessionId>())
+        .transpose()
+        .map_err(|e| ApiError::bad_request(format!("cursor: {e}")))?;
+    let mut items = state
+        .store
+        .read(move |c| projector::sessions(c, cursor, limit + 1))
+        .await?;
+    let next_cursor = if items.len() > limit as usize {
+        items.truncate(limit as usize);
+        items.last().map(|s| s.id.to_string())
+    } else {
+        None
+    };
+    Ok(Json(SessionList { items, next_cursor }))
+}
+
+pub async fn get_session(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+) -> Result<Json<Session>> {
+    let id = session_id(path)?;
+    Ok(Json(existing(&state, id).await?))
+}
+
+pub async fn update_session(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+    body: std::result::Result<Json<UpdateSession>, JsonRejection>,
+) -> Result<Json<Session>> {
+    let id = session_id(path)?;
+    let Json(body) = body?;
+    existing(&state, id).await?;
+    let mut events = Vec::new();
+    if let Some(title) = body.title {
+        events.push(DurableEvent::Renamed(payload::Renamed { title }));
+    }
+    if let Some(name) = body.agent {
+        events.push(DurableEvent::AgentSwitched(payload::AgentSwitched {
+            agent: agent(&state, &name)?,
+        }));
+    }
+    if let Some(text) = body.model {
+        events.push(DurableEvent::ModelSwitched(payload::ModelSwitched {
+            model: model(&state, &text)?,
+        }));
+    }
+    let written = state.store.append(id, events).await?;
+    state.runner.announce(&written);
+    Ok(Json(existing(&state, id).await?))
+}
+
+pub async fn delete_session(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+) -> Result<StatusCode> {
+    let id = session_id(path)?;
+    existing(&state, id).await?;
+    if state.runner.is_busy(id) {
+        return Err(ApiError::new(
+            ErrorType::Conflict,
+            "the session is running; interrupt it before deleting it",
+        ));
+    }
+    let written = state
+        .store
+        .append(id, vec![DurableEvent::Deleted(payload::Deleted {})])
+        .await?;
+    state.runner.announce(&written);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn session_status(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+) -> Result<Json<SessionStatus>> {
+    let id = session_id(path)?;
+    existing(&state, id).await?;
+    let (claim, pending) = state
+        .store
+        .read(move |c| {
+            Ok::<_, store::Error>((execution::get(c, id)?, projector::pending_inputs(c, id)?))
+        })
+        .await?;
+    Ok(Json(SessionStatus {
+        busy: claim.is_some(),
+        execution: claim.map(|row| ExecutionStatus {
+            id: row.claim.id,
+            owner_id: row.claim.owner_id,
+            phase: row.phase,
+            expires_at: row.expires_at,
+        }),
+        pending_inputs: pending,
+    }))
+}
+
+/// Admits an input, announces what was written, and wakes the session when asked.
+async fn admit(state: &AppState, id: SessionId, admission: Admission) -> Result<Admitted> {
+    let clock = state.store.clock().clone();
+    let delivery = admission.delivery;
+    let admitted = state
+        .store
+        .write(move |c| {
+            let admitted = inbox::admit(c, clock.now_ms(), id, admission)?;
+            let written: Vec<Envelope> = if admitted.replayed {
+                Vec::new()
+            } else {
+                log::read(c, id, admitted.input.admitted_seq - 1, 2)?
+            };
+            Ok::<_, inbox::Error>((admitted, written))
+        })
+        .await;
+    let (admitted, written) = admitted?;
+    state.runner.announce(&written);
+    if admitted.wake {
+        let scope = match delivery {
+            Delivery::Steer => Scope::Steer,
+            Delivery::Queue => Scope::Input,
+        };
+        state.runner.wake(id, scope);
+    }
+    Ok(admitted)
+}
+
+pub async fn prompt(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+    body: std::result::Result<Json<PromptRequest>, JsonRejection>,
+) -> Result<(StatusCode, Json<PromptResponse>)> {
+    let id = session_id(path)?;
+    let Json(body) = body?;
+    existing(&state, id).await?;
+    let admitted = admit(
+        &state,
+        id,
+        Admission {
+            id: body.id,
+            kind: InputKind::Prompt,
+            parts: body.parts,
+            delivery: body.delivery.unwrap_or_default(),
+            source: InputSource::User,
+            request_execution: body.request_execution.unwrap_or(true),
+        },
+    )
+    .await?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(PromptResponse {
+            input: admitted.input,
+            replayed: admitted.replayed,
+        }),
+    ))
+}
+
+pub async fn compact(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+) -> Result<(StatusCode, Json<PromptResponse>)> {
+    let id = session_id(path)?;
+    existing(&state, id).await?;
+    let admitted = admit(
+        &state,
+        id,
+        Admission {
+            id: None,
+            kind: InputKind::Compact,
+            parts: Vec::new(),
+            delivery: Delivery::Queue,
+            source: InputSource::User,
+            request_execution: true,
+        },
+    )
+    .await?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(PromptResponse {
+            input: admitted.input,
+            replayed: admitted.replayed,
+        }),
+    ))
+}
+
+pub async fn interrupt(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+) -> Result<Json<InterruptResponse>> {
+    let id = session_id(path)?;
+    existing(&state, id).await?;
+    Ok(Json(InterruptResponse {
+        interrupted: state.runner.interrupt(id).await,
+    }))
+}
+
+pub async fn resume(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+) -> Result<(StatusCode, Json<SessionStatus>)> {
+    let id = session_id(path)?;
+    existing(&state, id).await?;
+    let runner = state.runner.clone();
+    tokio::spawn(async move {
+        if let Err(e) = runner.run(id).await {
+            tracing::warn!(session = %id, error = %e, "resumed execution ended with an error");
+        }
+    });
+    let Json(status) = session_status(State(state), Ok(Path(id.to_string()))).await?;
+    Ok((StatusCode::ACCEPTED, Json(status)))
+}
+
+fn delivered(state: &AppState, request: RequestId, reply: Reply) -> Result<Json<Accepted>> {
+    if state.runner.reply(request, reply) {
+        Ok(Json(Accepted { accepted: true }))
+    } else {
+        Err(ApiError::not_found(format!(
+            "no request {request} is waiting in this process"
+        )))
+    }
+}
+
+pub async fn reply_permission(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<(String, String)>, PathRejection>,
+    body: std::result::Result<Json<PermissionReply>, JsonRejection>,
+) -> Result<Json<Accepted>> {
+    let (id, request) = ids(path)?;
+    let Json(body) = body?;
+    existing(&state, id).await?;
+    delivered(&state, request, Reply::Permission(body.decision))
+}
+
+pub async fn reply_question(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<(String, String)>, PathRejection>,
+    body: std::result::Result<Json<QuestionReply>, JsonRejection>,
+) -> Result<Json<Accepted>> {
+    let (id, request) = ids(path)?;
+    let Json(body) = body?;
+    existing(&state, id).await?;
+    let reply = match body {
+        QuestionReply::Answer { answer } => Reply::Answer(answer),
+        QuestionReply::Dismiss { dismiss: true } => Reply::Dismiss,
+        QuestionReply::Dismiss { dismiss: false } => {
+            return Err(ApiError::new(
+                ErrorType::Unprocessable,
+                "send {\"answer\": …} or {\"dismiss\": true}",
+            ));
+        }
+    };
+    delivered(&state, request, reply)
+}
+
+pub async fn messages(
+    State(state): State<AppState>,
+    path: std::result::Result<Path<String>, PathRejection>,
+) -> Result<Json<MessageList>> {
+    let id = session_id(path)?;
+    existing(&state, id).await?;
+    let items = state
+        .store
+        .read(move |c| projector::messages(c, id))
+        .await?;
+    Ok(Json(MessageList { items }))
+}
+
+pub async fn nodes(State(state): State<AppState>) -> Json<NodeList> {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
+    Json(NodeList {
+        items: vec![Node {
+            id: state.runner.owner(),
+            host,
+            pid: std::process::id(),
+            started_at: state.started_at,
+            heartbeat_at: state.store.clock().now_ms(),
+            sessions: u32::try_from(state.runner.held()).unwrap_or(u32::MAX),
+        }],
+    })
+}
+
+pub async fn openapi() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        include_str!("../../../contracts/openapi.json"),
+    )
+}

@@ -1,0 +1,200 @@
+//! The event streams.
+//!
+//! `GET /api/session/{id}/log`: durable events after `after` (or `Last-Event-ID`), each
+//! with `id: <seq>`, then one `event: synced`, then live events while `follow`. The live
+//! subscription is taken before the history is read, and live events only tell the
+//! stream to read the log past the last seq it sent, so a reconnect at any point yields
+//! every durable event exactly once, in order. A periodic catch-up read covers anything a
+//! notification missed.
+//!
+//! `GET /api/event`: live events of all sessions. Each subscriber has a bounded queue; one
+//! that falls behind is sent `event: lagged` and disconnected, never silently skipped.
+
+use std::convert::Infallible;
+
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use keel_schema::api::{Lagged, LaggedType, LogQuery, Synced, SyncedType};
+use keel_schema::event::Envelope;
+use keel_schema::id::SessionId;
+use tokio::sync::{broadcast, mpsc};
+
+use super::{ApiError, AppState};
+use crate::runner::Live;
+
+type Events = Sse<
+    axum::response::sse::KeepAliveStream<
+        futures::stream::BoxStream<'static, Result<Event, Infallible>>,
+    >,
+>;
+
+/// How many events are read from the log at a time.
+const PAGE: u32 = 500;
+
+fn stream(mut rx: mpsc::Receiver<Event>, heartbeat: std::time::Duration) -> Events {
+    let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok)));
+    Sse::new(Box::pin(events) as futures::stream::BoxStream<'static, _>)
+        .keep_alive(KeepAlive::new().interval(heartbeat))
+}
+
+fn durable(envelope: &Envelope) -> Option<Event> {
+    match serde_json::to_string(envelope) {
+        Ok(json) => Some(Event::default().id(envelope.seq.to_string()).data(json)),
+        Err(e) => {
+            tracing::error!(seq = envelope.seq, error = %e, "an event did not serialize");
+            None
+        }
+    }
+}
+
+pub async fn session_log(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+    query: Result<Query<LogQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Events, ApiError> {
+    let Path(id) = path?;
+    let id: SessionId = id
+        .parse()
+        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))?;
+    let Query(query) = query?;
+    let ephemeral = match query.include.as_deref() {
+        None => false,
+        Some("ephemeral") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "include=`{other}` is not known (use include=ephemeral)"
+            )));
+        }
+    };
+    let resume = headers
+        .get("last-event-id")
+        .map(|v| {
+            v.to_str()
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| ApiError::bad_request("Last-Event-ID must be a seq"))
+        })
+        .transpose()?;
+    let after = resume.or(query.after).unwrap_or(0);
+    let follow = query.follow.unwrap_or(true);
+    if state.store.last_seq(id).await?.is_none() {
+        return Err(ApiError::not_found(format!("no session {id}")));
+    }
+
+    // Subscribe before reading the history, so nothing committed meanwhile is missed.
+    let mut live = state.runner.subscribe();
+    let (tx, rx) = mpsc::channel(256);
+    let heartbeat = state.heartbeat;
+    let store = state.store.clone();
+    tokio::spawn(async move {
+        let mut last = after;
+        // Sends the log past `last`; false when the client is gone or the log unreadable.
+        let catch_up = |last: u64| {
+            let store = store.clone();
+            let tx = tx.clone();
+            async move {
+                let mut last = last;
+                loop {
+                    let page = match store.read_log(id, last, PAGE).await {
+                        Ok(page) => page,
+                        Err(e) => {
+                            tracing::error!(session = %id, error = %e, "reading the log failed");
+                            return None;
+                        }
+                    };
+                    let Some(end) = page.last().map(|e| e.seq) else {
+                        return Some(last);
+                    };
+                    for envelope in &page {
+                        if let Some(event) = durable(envelope)
+                            && tx.send(event).await.is_err()
+                        {
+                            return None;
+                        }
+                    }
+                    last = end;
+                }
+            }
+        };
+        let Some(synced) = catch_up(last).await else {
+            return;
+        };
+        last = synced;
+        let marker = Synced {
+            kind: SyncedType::Synced,
+            last_seq: last,
+        };
+        let data = serde_json::to_string(&marker).unwrap_or_default();
+        if tx
+            .send(Event::default().event("synced").data(data))
+            .await
+            .is_err()
+            || !follow
+        {
+            return;
+        }
+        let mut tick = tokio::time::interval(heartbeat);
+        loop {
+            let read = tokio::select! {
+                item = live.recv() => match item {
+                    Ok(Live::Durable(envelope)) => envelope.session_id == id && envelope.seq > last,
+                    Ok(Live::Ephemeral(event)) => {
+                        if ephemeral && event.session_id == id {
+                            let data = serde_json::to_string(&event).unwrap_or_default();
+                            if tx.send(Event::default().data(data)).await.is_err() {
+                                return;
+                            }
+                        }
+                        false
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => true,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+                _ = tick.tick() => true,
+                () = tx.closed() => return,
+            };
+            if read {
+                match catch_up(last).await {
+                    Some(seq) => last = seq,
+                    None => return,
+                }
+            }
+        }
+    });
+    Ok(stream(rx, heartbeat))
+}
+
+pub async fn events(State(state): State<AppState>) -> Events {
+    let mut live = state.runner.subscribe();
+    let (tx, rx) = mpsc::channel(256);
+    tokio::spawn(async move {
+        loop {
+            let event = match live.recv().await {
+                Ok(Live::Durable(envelope)) => serde_json::to_string(&envelope),
+                Ok(Live::Ephemeral(event)) => serde_json::to_string(&event),
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    let lagged = Lagged {
+                        kind: LaggedType::Lagged,
+                        reason: format!(
+                            "this subscriber fell {missed} events behind and is disconnected; \
+                             reconnect and catch up from each session's log"
+                        ),
+                    };
+                    let data = serde_json::to_string(&lagged).unwrap_or_default();
+                    // Disconnecting follows either way.
+                    drop(tx.send(Event::default().event("lagged").data(data)).await);
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            let Ok(data) = event else { continue };
+            if tx.send(Event::default().data(data)).await.is_err() {
+                return;
+            }
+        }
+    });
+    stream(rx, state.heartbeat)
+}

@@ -1,0 +1,232 @@
+//! The real `keel serve` driven through keel-client and raw HTTP.
+
+use futures::StreamExt;
+use keel_client::{Client, Error};
+use keel_schema::api::{CreateSession, ErrorType, PromptRequest};
+use keel_schema::event::Envelope;
+use keel_schema::id::InputId;
+use keel_schema::types::Part;
+use keel_tests::Server;
+
+/// Follows the session's log until `execution.settled`, returning every durable event.
+async fn follow_to_idle(server: &Server, session: &str) -> Vec<Envelope> {
+    let response = reqwest::get(format!("{}/api/session/{session}/log", server.base_url))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut buffer = String::new();
+    let mut events = Vec::new();
+    while let Some(chunk) = body.next().await {
+        buffer.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        while let Some(end) = buffer.find("\n\n") {
+            let message: String = buffer.drain(..end + 2).collect();
+            let Some(data) = message.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                continue;
+            };
+            if message.lines().any(|l| l.starts_with("id: ")) {
+                let envelope: Envelope = serde_json::from_str(data).unwrap();
+                let settled = envelope.event.type_name() == "session.next.execution.settled";
+                events.push(envelope);
+                if settled {
+                    return events;
+                }
+            }
+        }
+    }
+    panic!("the log stream ended before the session went idle");
+}
+
+fn text(t: &str) -> Vec<Part> {
+    vec![Part::Text { text: t.into() }]
+}
+
+#[tokio::test]
+async fn the_demo_model_answers_a_prompt_with_a_tool_call_in_the_documented_order() {
+    let server = Server::start(&[]);
+    let client = Client::new(&server.base_url).unwrap();
+    assert!(client.health().await.unwrap().ok);
+    let session = client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::canonicalize(&session.directory).unwrap(),
+        std::fs::canonicalize(server.directory()).unwrap()
+    );
+    let prompted = client
+        .prompt(
+            session.id,
+            &PromptRequest {
+                id: None,
+                parts: text("What is here?"),
+                delivery: None,
+                request_execution: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert!(!prompted.replayed);
+    let events = follow_to_idle(&server, &session.id.to_string()).await;
+    let kinds: Vec<&str> = events
+        .iter()
+        .map(|e| e.event.type_name().trim_start_matches("session.next."))
+        .collect();
+    assert_eq!(
+        &kinds[..6],
+        &[
+            "created",
+            "prompt.admitted",
+            "prompt.execution_requested",
+            "execution.started",
+            "prompted",
+            "step.started"
+        ]
+    );
+    assert!(kinds.contains(&"tool.called") && kinds.contains(&"tool.success"));
+    assert_eq!(kinds.last(), Some(&"execution.settled"));
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
+    let status = client.session_status(session.id).await.unwrap();
+    assert!(!status.busy);
+}
+
+#[tokio::test]
+async fn a_retried_prompt_is_replayed_and_a_conflicting_one_is_a_409() {
+    let server = Server::start(&[]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap();
+    let request = PromptRequest {
+        id: Some(InputId::new()),
+        parts: text("once"),
+        delivery: None,
+        request_execution: Some(false),
+    };
+    let first = client.prompt(session.id, &request).await.unwrap();
+    let again = client.prompt(session.id, &request).await.unwrap();
+    assert!(again.replayed);
+    assert_eq!(again.input, first.input);
+    let conflicting = PromptRequest {
+        parts: text("other"),
+        ..request
+    };
+    let err = client.prompt(session.id, &conflicting).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Api {
+                status: 409,
+                kind: ErrorType::Conflict,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_get_the_documented_errors_and_change_nothing() {
+    let server = Server::start(&["--body-limit", "4096"]);
+    let http = reqwest::Client::new();
+    let url = |path: &str| format!("{}{path}", server.base_url);
+    let cases = [
+        (
+            http.post(url("/api/session"))
+                .header("content-type", "application/json")
+                .body("{bad"),
+            400,
+        ),
+        (
+            http.post(url("/api/session"))
+                .header("content-type", "application/json")
+                .body(r#"{"title": 7}"#),
+            400,
+        ),
+        (
+            http.post(url("/api/session"))
+                .header("content-type", "application/json")
+                .body(r#"{"directory": "/no/such/dir"}"#),
+            400,
+        ),
+        (
+            http.post(url("/api/session"))
+                .header("content-type", "application/json")
+                .body(r#"{"model": "nobody/x"}"#),
+            422,
+        ),
+        (
+            http.get(url("/api/session/ses_01KBFVGY400000000000000001")),
+            404,
+        ),
+        (http.get(url("/api/session/not-an-id")), 400),
+        (http.get(url("/api/nowhere")), 404),
+        (
+            http.post(url("/api/session"))
+                .header("content-type", "application/json")
+                .body(format!(r#"{{"title": "{}"}}"#, "x".repeat(8 * 1024))),
+            413,
+        ),
+    ];
+    for (request, status) in cases {
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status().as_u16(), status);
+        let body: serde_json::Value = response.json().await.unwrap();
+        assert!(
+            body["error"]["type"].is_string() && body["error"]["message"].is_string(),
+            "{body}"
+        );
+    }
+    let list: serde_json::Value = http
+        .get(url("/api/session"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["items"], serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn a_token_guards_everything_but_health() {
+    let server = Server::start(&["--token", "s3cret"]);
+    let anonymous = Client::new(&server.base_url).unwrap();
+    assert!(anonymous.health().await.unwrap().ok);
+    let err = anonymous
+        .list_sessions(&Default::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Api { status: 401, .. }), "{err}");
+    let wrong = Client::new(&server.base_url).unwrap().with_token("nope");
+    assert!(wrong.list_sessions(&Default::default()).await.is_err());
+    let right = Client::new(&server.base_url).unwrap().with_token("s3cret");
+    assert!(
+        right
+            .list_sessions(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+}
+
+#[test]
+fn serving_a_non_loopback_address_without_a_token_is_refused() {
+    let output = std::process::Command::new(keel_tests::keel_binary())
+        .args([
+            "serve",
+            "--listen",
+            "0.0.0.0:0",
+            "--db",
+            "sqlite:///nonexistent/x.db",
+        ])
+        .env_remove("KEEL_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("without a token"), "{stderr}");
+}
