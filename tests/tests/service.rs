@@ -230,3 +230,122 @@ fn serving_a_non_loopback_address_without_a_token_is_refused() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("without a token"), "{stderr}");
 }
+
+/// The durable events of a finished session's log after `after`, read with `follow=false`
+/// and, when given, `Last-Event-ID`.
+async fn read_log(
+    server: &Server,
+    session: &str,
+    query: &str,
+    last_event_id: Option<u64>,
+) -> Vec<u64> {
+    let mut request = reqwest::Client::new().get(format!(
+        "{}/api/session/{session}/log?follow=false{query}",
+        server.base_url
+    ));
+    if let Some(id) = last_event_id {
+        request = request.header("Last-Event-ID", id.to_string());
+    }
+    let body = request.send().await.unwrap().text().await.unwrap();
+    assert!(body.contains("event: synced"), "{body}");
+    body.lines()
+        .filter_map(|l| l.strip_prefix("id: "))
+        .map(|id| id.parse().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn reconnecting_at_every_seq_of_a_finished_session_yields_the_rest_exactly_once() {
+    let server = Server::start(&[]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap();
+    client
+        .prompt(
+            session.id,
+            &PromptRequest {
+                id: None,
+                parts: text("go"),
+                delivery: None,
+                request_execution: None,
+            },
+        )
+        .await
+        .unwrap();
+    let all = follow_to_idle(&server, &session.id.to_string()).await;
+    let last = all.last().unwrap().seq;
+    for k in 0..=last {
+        let rest: Vec<u64> = ((k + 1)..=last).collect();
+        let id = session.id.to_string();
+        assert_eq!(
+            read_log(&server, &id, "", Some(k)).await,
+            rest,
+            "Last-Event-ID {k}"
+        );
+        assert_eq!(
+            read_log(&server, &id, &format!("&after={k}"), None).await,
+            rest,
+            "after={k}"
+        );
+        // Last-Event-ID wins over after.
+        assert_eq!(read_log(&server, &id, "&after=0", Some(k)).await, rest);
+    }
+}
+
+#[tokio::test]
+async fn every_route_of_the_contract_is_served() {
+    let server = Server::start(&[]);
+    let contract: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(keel_tests::workspace_root().join("contracts/openapi.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let mut checked = 0;
+    for (path, item) in contract["paths"].as_object().unwrap() {
+        let concrete = path
+            .replace("{id}", "ses_01KBFVGY400000000000000001")
+            .replace("{request_id}", "req_01KBFVGY400000000000000008");
+        for method in item.as_object().unwrap().keys() {
+            let url = format!("{}{concrete}?follow=false", server.base_url);
+            let request = match method.as_str() {
+                "get" => http.get(&url),
+                "post" => http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body("{}"),
+                "patch" => http
+                    .patch(&url)
+                    .header("content-type", "application/json")
+                    .body("{}"),
+                "delete" => http.delete(&url),
+                other => panic!("unexpected method {other}"),
+            };
+            let response = request
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+            let status = response.status().as_u16();
+            assert_ne!(status, 405, "{method} {path} is not served");
+            let streaming = response
+                .headers()
+                .get("content-type")
+                .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+            if !streaming {
+                // An open event stream never ends; its 200 and content type say enough.
+                let body = response.text().await.unwrap();
+                assert!(
+                    !body.contains("no such route"),
+                    "{method} {path} is not served"
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 18);
+}
