@@ -18,8 +18,7 @@ async fn interrupting_a_running_tool_fails_it_durably_with_exactly_one_step_inte
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let run = h.run_to_gate(session).await;
     assert!(h.runner.interrupt(session).await);
     assert_eq!(
@@ -103,8 +102,7 @@ async fn input_arriving_during_an_interruption_stays_pending_for_a_later_run() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let run = h.run_to_gate(session).await;
     assert!(h.runner.interrupt(session).await);
     h.admit(session, "steer", Delivery::Steer).await;
@@ -143,8 +141,7 @@ async fn a_failed_cleanup_keeps_the_claim_cancelling_and_surfaces_the_cause() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let run = h.run_to_gate(session).await;
     assert!(h.runner.interrupt(session).await);
     // From now on the database refuses every commit.

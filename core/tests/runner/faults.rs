@@ -11,7 +11,6 @@ use keel_core::store::schema::session_tool;
 use keel_core::store::{self, Failpoint};
 use keel_schema::event::DurableEvent;
 use keel_schema::id::{MessageId, SessionId};
-use keel_schema::types::Delivery;
 use serde_json::json;
 
 use crate::support::{Harness, Setup, call, script, text};
@@ -35,8 +34,7 @@ async fn harness(fail_at: Arc<AtomicU64>) -> Harness {
 
 /// Creates the session and admits the prompt; returns it and the commit count so far.
 async fn prepare(h: &Harness) -> (SessionId, u64) {
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     (session, h.store.stats().0)
 }
 

@@ -30,8 +30,7 @@ async fn no_provider_request_is_dispatched_after_ownership_changes() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let run = h.run_to_gate(session).await;
     lose_ownership(&h, session).await;
     let before = h.kinds(session).await;
@@ -127,8 +126,7 @@ async fn interrupted_tool_reconciliation_publishes_nothing_after_ownership_chang
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let run = h.run_to_gate(session).await;
     lose_ownership(&h, session).await;
     let before = h.kinds(session).await;
@@ -150,8 +148,7 @@ async fn the_renewal_loop_extends_the_lease_of_a_running_execution() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let run = h.run_to_gate(session).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let renewing = {

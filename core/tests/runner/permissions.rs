@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use keel_core::runner::{Agent, Live, Policy, Reply, Runner};
 use keel_schema::event::DurableEvent;
 use keel_schema::id::RequestId;
-use keel_schema::types::{Decision, Delivery, InterruptReason};
+use keel_schema::types::{Decision, InterruptReason};
 use serde_json::json;
 use tokio::sync::broadcast;
 
@@ -51,8 +51,7 @@ async fn an_ask_policy_waits_for_the_reply_and_runs_the_tool_once_allowed() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let mut live = h.runner.subscribe();
     let run = spawn_run(&h.runner, session);
     let request = next_request(&mut live).await;
@@ -89,8 +88,7 @@ async fn a_rejected_permission_fails_the_tool_and_interrupts_the_continuation() 
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let mut live = h.runner.subscribe();
     let run = spawn_run(&h.runner, session);
     let request = next_request(&mut live).await;
@@ -117,8 +115,7 @@ async fn always_is_remembered_for_the_session() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let mut live = h.runner.subscribe();
     let run = spawn_run(&h.runner, session);
     let request = next_request(&mut live).await;
@@ -145,8 +142,7 @@ async fn a_denied_tool_fails_without_running() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     h.runner.run(session).await.unwrap();
     assert_eq!(h.probe.runs.load(Ordering::SeqCst), 0);
     let log = h.log(session).await;
@@ -167,8 +163,7 @@ async fn a_question_is_answered_through_the_runner() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let mut live = h.runner.subscribe();
     let run = spawn_run(&h.runner, session);
     let request = next_request(&mut live).await;
@@ -188,8 +183,7 @@ async fn a_dismissed_question_interrupts_the_continuation() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     let mut live = h.runner.subscribe();
     let run = spawn_run(&h.runner, session);
     let request = next_request(&mut live).await;

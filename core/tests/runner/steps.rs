@@ -13,8 +13,7 @@ use crate::support::{Harness, Setup, call, script, text};
 #[tokio::test]
 async fn a_prompt_produces_the_documented_event_order() {
     let h = Harness::new(Setup::default()).await;
-    let session = h.session().await;
-    h.admit(session, "Hello?", Delivery::Queue).await;
+    let session = h.prompted("Hello?").await;
     h.runner.run(session).await.unwrap();
     assert_eq!(
         h.kinds(session).await,
@@ -71,8 +70,7 @@ async fn a_tool_driven_continuation_sends_the_results_back_to_the_model() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     h.runner.run(session).await.unwrap();
     let requests = h.recording.requests.lock().unwrap().clone();
     assert_eq!(requests.len(), 2);
@@ -99,8 +97,7 @@ async fn steering_inputs_admitted_during_a_step_coalesce_into_one_continuation_t
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "start", Delivery::Queue).await;
+    let session = h.prompted("start").await;
     let run = h.run_to_gate(session).await;
     let first = h.admit(session, "steer one", Delivery::Steer).await;
     let second = h.admit(session, "steer two", Delivery::Steer).await;
@@ -148,8 +145,7 @@ async fn a_queued_input_is_promoted_only_after_the_continuation_ends() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "start", Delivery::Queue).await;
+    let session = h.prompted("start").await;
     let run = h.run_to_gate(session).await;
     h.admit(session, "later", Delivery::Queue).await;
     h.release.notify_one();
@@ -184,8 +180,7 @@ async fn a_model_switch_is_reloaded_before_a_tool_driven_continuation() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "start", Delivery::Queue).await;
+    let session = h.prompted("start").await;
     let run = h.run_to_gate(session).await;
     let switched = ModelRef {
         provider: "other".into(),
@@ -218,8 +213,7 @@ async fn the_last_allowed_step_disables_tool_use_but_keeps_the_definitions() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "loop forever", Delivery::Queue).await;
+    let session = h.prompted("loop forever").await;
     h.runner.run(session).await.unwrap();
     let requests = h.recording.requests.lock().unwrap().clone();
     assert_eq!(requests.len(), 2);
@@ -249,8 +243,7 @@ async fn malformed_tool_input_fails_the_call_and_is_never_run() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "go", Delivery::Queue).await;
+    let session = h.prompted("go").await;
     h.runner.run(session).await.unwrap();
     assert_eq!(h.probe.runs.load(std::sync::atomic::Ordering::SeqCst), 0);
     let log = h.log(session).await;
@@ -282,8 +275,7 @@ async fn a_hosted_tool_left_unresolved_fails_before_the_step_ends() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "search", Delivery::Queue).await;
+    let session = h.prompted("search").await;
     h.runner.run(session).await.unwrap();
     let kinds = h.kinds(session).await;
     let tail: Vec<&str> = kinds
@@ -329,8 +321,7 @@ async fn a_hosted_tool_result_is_recorded_with_its_raw_result() {
         ..Setup::default()
     })
     .await;
-    let session = h.session().await;
-    h.admit(session, "search", Delivery::Queue).await;
+    let session = h.prompted("search").await;
     h.runner.run(session).await.unwrap();
     let log = h.log(session).await;
     let success = log
@@ -365,8 +356,7 @@ async fn an_image_read_by_a_tool_is_stored_once_in_the_event_log() {
     })
     .await;
     std::fs::write(h.workspace.path().join("pixel.png"), PIXEL_PNG).unwrap();
-    let session = h.session().await;
-    h.admit(session, "look", Delivery::Queue).await;
+    let session = h.prompted("look").await;
     h.runner.run(session).await.unwrap();
     let encoded = base64::engine::general_purpose::STANDARD.encode(PIXEL_PNG);
     let stored: String = h

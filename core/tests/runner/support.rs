@@ -293,6 +293,13 @@ impl Harness {
         self.session_on("scripted").await
     }
 
+    /// A new session with one queued prompt admitted (not yet run).
+    pub async fn prompted(&self, text: &str) -> SessionId {
+        let session = self.session().await;
+        self.admit(session, text, Delivery::Queue).await;
+        session
+    }
+
     pub async fn admit(&self, session: SessionId, text: &str, delivery: Delivery) -> InputId {
         let clock = self.store.clock().clone();
         let admission = Admission {
