@@ -1,22 +1,43 @@
 //! keel-client: a typed async client for Keel's HTTP API.
 //!
+//! Keel runs the agent loop of a coding agent as a durable service; this crate drives it
+//! from Rust: one typed async method per route, and [`Client::session_log`], the
+//! session's durable event log as a stream that survives dropped connections.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), keel_client::Error> {
+//! use futures::StreamExt;
 //! use keel_client::Client;
-//! use keel_schema::api::CreateSession;
+//! use keel_client::schema::api::{CreateSession, LogItem, Part, PromptRequest};
+//! use keel_client::schema::event::DurableEvent;
 //!
-//! let client = Client::new("http://127.0.0.1:4096")?.with_token("secret");
+//! let client = Client::new("http://127.0.0.1:4096")?;
 //! let session = client.create_session(&CreateSession::default()).await?;
-//! println!("created {}", session.id);
+//! client
+//!     .prompt(session.id, &PromptRequest::text("What is in this directory?"))
+//!     .await?;
+//! let mut log = client.session_log(session.id, 0);
+//! while let Some(item) = log.next().await {
+//!     if let LogItem::Durable(envelope) = item? {
+//!         if let DurableEvent::ExecutionSettled(_) = envelope.event {
+//!             break;
+//!         }
+//!     }
+//! }
 //! # Ok(()) }
 //! ```
 //!
 //! The endpoint methods (`health`, `create_session`, `prompt`, …) are generated from the
 //! route table that also produces `contracts/openapi.json`, by `cargo xtask regenerate`
-//! into `generated.rs`. This file holds the hand-written transport they call.
+//! into `generated.rs`; the transport they call, and the log stream, are written by hand.
+//! The types are keel-schema's, re-exported as [`schema`].
 
 #[rustfmt::skip]
 mod generated;
+mod log;
+
+pub use keel_schema as schema;
+pub use log::{LogOptions, LogStream};
 
 use keel_schema::api::{ErrorBody, ErrorType};
 use reqwest::Method;
@@ -29,30 +50,57 @@ pub enum Error {
     /// Keel answered with an error body.
     #[error("keel answered {status} ({kind:?}): {message}")]
     Api {
+        /// The HTTP status.
         status: u16,
+        /// The error's `type`.
         kind: ErrorType,
+        /// What Keel said went wrong.
         message: String,
     },
     /// Keel (or something in between) answered with a status and body Keel does not send.
     #[error("unexpected answer {status}: {body}")]
-    UnexpectedStatus { status: u16, body: String },
+    UnexpectedStatus {
+        /// The HTTP status.
+        status: u16,
+        /// The body, as text.
+        body: String,
+    },
     /// The request could not be sent or the answer not read.
     #[error("could not reach keel at {base_url}: {source}")]
     Transport {
+        /// The server the request was for.
         base_url: String,
+        /// What failed.
         #[source]
         source: reqwest::Error,
     },
     /// A successful answer's body was not the documented type.
     #[error("keel's answer to {path} is not the documented shape: {source}")]
     Decode {
+        /// The path the answer came from.
         path: String,
+        /// Why it did not decode.
         #[source]
         source: serde_json::Error,
     },
-    /// The base URL given to [`Client::new`] is not an http(s) URL.
+    /// The base URL given to [`Client::new`] is not an http URL.
     #[error("`{0}` is not a Keel base URL: use http://host:port")]
     BaseUrl(String),
+    /// A log stream could not be read, or its connection broke (the stream reconnects
+    /// on its own; this ends it only after [`LogOptions::max_reconnects`]).
+    #[error("the log stream failed: {0}")]
+    Stream(String),
+    /// A log stream's connection sent nothing, not even a heartbeat, for this long.
+    #[error("the log stream sent no heartbeat for {0:?}")]
+    Heartbeat(std::time::Duration),
+    /// The log skipped from one seq to a later one and asking again did not fill the gap.
+    #[error("the log jumped to seq {got} when {expected} was next")]
+    LogGap {
+        /// The seq that should have come next.
+        expected: u64,
+        /// The seq that came.
+        got: u64,
+    },
 }
 
 /// A connection to one Keel server. Cheap to clone; clones share a connection pool.
@@ -64,10 +112,13 @@ pub struct Client {
 }
 
 impl Client {
-    /// A client for the server at `base_url`, e.g. `http://127.0.0.1:4096`.
+    /// A client for the server at `base_url`, e.g. `http://127.0.0.1:4096`. Plain http
+    /// only for now.
     pub fn new(base_url: impl Into<String>) -> Result<Self, Error> {
         let base_url = base_url.into().trim_end_matches('/').to_owned();
-        if !(base_url.starts_with("http://") || base_url.starts_with("https://")) {
+        // TLS is not built into the client yet: a remote Keel is reached through a
+        // local tunnel or proxy.
+        if !base_url.starts_with("http://") {
             return Err(Error::BaseUrl(base_url));
         }
         Ok(Self {

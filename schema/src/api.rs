@@ -123,6 +123,18 @@ pub struct PromptRequest {
     pub request_execution: Option<bool>,
 }
 
+impl PromptRequest {
+    /// A prompt of one text part, queued, with the server choosing its id.
+    pub fn text(text: impl Into<String>) -> Self {
+        Self {
+            id: None,
+            parts: vec![Part::Text { text: text.into() }],
+            delivery: None,
+            request_execution: None,
+        }
+    }
+}
+
 /// Where an admitted input stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
