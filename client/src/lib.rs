@@ -32,6 +32,8 @@
 //! into `generated.rs`; the transport they call, and the log stream, are written by hand.
 //! The types are keel-schema's, re-exported as [`schema`].
 
+#![warn(missing_docs)]
+
 #[rustfmt::skip]
 mod generated;
 mod log;

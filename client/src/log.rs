@@ -20,7 +20,7 @@ use eventsource_client as es;
 use eventsource_client::Client as _;
 use futures::{Stream, StreamExt};
 use keel_schema::api::{ErrorBody, LogItem, Synced};
-use keel_schema::event::{EphemeralEnvelope, Envelope};
+use keel_schema::event::{Envelope, EphemeralEnvelope};
 use keel_schema::id::SessionId;
 use launchdarkly_sdk_transport::{ByteStream, HyperTransport};
 
@@ -148,7 +148,7 @@ struct Reader {
 
 /// What one SSE message means to the reader.
 enum Accepted {
-    Item(LogItem),
+    Item(Box<LogItem>),
     Skip,
     /// Durable seq `got` arrived when `expected` was next.
     Gap {
@@ -189,6 +189,7 @@ impl Reader {
                 Some(Ok(es::SSE::Connected(_) | es::SSE::Comment(_))) => {}
                 Some(Ok(es::SSE::Event(event))) => match self.accept(event) {
                     Ok(Accepted::Item(item)) => {
+                        let item = *item;
                         self.failures = 0;
                         if matches!(item, LogItem::Synced(_)) && !self.options.follow {
                             self.done = true;
@@ -273,14 +274,14 @@ impl Reader {
                 return Ok(Accepted::Skip);
             }
             self.synced = true;
-            return Ok(Accepted::Item(LogItem::Synced(marker)));
+            return Ok(Accepted::Item(Box::new(LogItem::Synced(marker))));
         }
         // Durable events carry a seq; ephemeral ones do not. (`event.id` cannot tell
         // them apart: SSE keeps the last id for messages that do not set one.)
         let data: serde_json::Value = serde_json::from_str(&event.data).map_err(decode)?;
         if data.get("seq").is_none() {
             let ephemeral: EphemeralEnvelope = serde_json::from_value(data).map_err(decode)?;
-            return Ok(Accepted::Item(LogItem::Ephemeral(ephemeral)));
+            return Ok(Accepted::Item(Box::new(LogItem::Ephemeral(ephemeral))));
         }
         let envelope: Envelope = serde_json::from_value(data).map_err(decode)?;
         if envelope.session_id != self.id {
@@ -301,7 +302,7 @@ impl Reader {
         }
         self.last = envelope.seq;
         self.gap = None;
-        Ok(Accepted::Item(LogItem::Durable(envelope)))
+        Ok(Accepted::Item(Box::new(LogItem::Durable(envelope))))
     }
 
     /// Drops the connection so the next poll makes a new one, remembering why.

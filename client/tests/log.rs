@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use keel_client::schema::api::{ErrorType, LogItem};
 use keel_client::schema::event::{
-    DurableEvent, EphemeralEnvelope, EphemeralEvent, Envelope, Example, payload,
+    DurableEvent, Envelope, EphemeralEnvelope, EphemeralEvent, Example, payload,
 };
 use keel_client::schema::id::{EventId, SessionId};
 use keel_client::{Client, Error, LogOptions};
@@ -214,7 +214,13 @@ async fn a_gap_that_does_not_heal_ends_the_stream_with_an_error() {
     let (seen, error) = collect(&fake.client(), history()).await;
     assert_eq!(seen, strings(&["1"]));
     assert!(
-        matches!(error, Some(Error::LogGap { expected: 2, got: 3 })),
+        matches!(
+            error,
+            Some(Error::LogGap {
+                expected: 2,
+                got: 3
+            })
+        ),
         "{error:?}"
     );
     assert_eq!(fake.resume_points(), vec![0, 1, 1, 1]);

@@ -1,4 +1,7 @@
-//! The `keel` binary: `keel serve` runs the service; `keel events` prints the catalog.
+//! The `keel` binary: `keel serve` runs the service; `keel prompt|sessions|tail|interrupt`
+//! talk to a running one (see `cli`); `keel events` prints the catalog.
+
+mod cli;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -33,6 +36,14 @@ struct Cli {
 enum Command {
     /// Run the HTTP service.
     Serve(Serve),
+    /// Prompt a session and stream the answer until the session is idle.
+    Prompt(cli::Prompt),
+    /// List the newest sessions.
+    Sessions(cli::Sessions),
+    /// Print a session's durable log, then follow it.
+    Tail(cli::Tail),
+    /// Interrupt a session's running execution.
+    Interrupt(cli::Interrupt),
     /// Print the event catalog: every event type, version and durability.
     Events,
 }
@@ -57,42 +68,54 @@ struct Serve {
     /// Lease of an execution claim, in milliseconds.
     #[arg(long, env = "KEEL_LEASE_MS", default_value_t = 30_000)]
     lease_ms: i64,
+    /// Interval of the comment heartbeat on event streams, in milliseconds.
+    #[arg(long, env = "KEEL_HEARTBEAT_MS", default_value_t = 15_000)]
+    heartbeat_ms: u64,
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
-        Command::Serve(serve) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| "info".into()),
-                )
-                .with_writer(std::io::stderr)
-                .init();
-            let runtime = match tokio::runtime::Runtime::new() {
-                Ok(runtime) => runtime,
-                Err(e) => {
-                    eprintln!("error: starting the async runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            match runtime.block_on(run(serve)) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+    let command = Cli::parse().command;
+    if let Command::Events = command {
+        for entry in keel_schema::event::catalog() {
+            let latest = if entry.latest { "" } else { " (read only)" };
+            println!(
+                "{:<48} v{} {:?}{latest}",
+                entry.type_name, entry.version, entry.durability
+            );
         }
-        Command::Events => {
-            for entry in keel_schema::event::catalog() {
-                let latest = if entry.latest { "" } else { " (read only)" };
-                println!(
-                    "{:<48} v{} {:?}{latest}",
-                    entry.type_name, entry.version, entry.durability
-                );
-            }
-            ExitCode::SUCCESS
+        return ExitCode::SUCCESS;
+    }
+    if let Command::Serve(_) = command {
+        tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "info".into()),
+            )
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let done = runtime.block_on(async move {
+        match command {
+            Command::Serve(serve) => run(serve).await,
+            Command::Prompt(args) => cli::prompt(args).await,
+            Command::Sessions(args) => cli::sessions(args).await,
+            Command::Tail(args) => cli::tail(args).await,
+            Command::Interrupt(args) => cli::interrupt(args).await,
+            Command::Events => Ok(()),
+        }
+    });
+    match done {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }
@@ -109,6 +132,12 @@ async fn run(serve: Serve) -> Result<()> {
         bail!(
             "KEEL_LEASE_MS must be at least 100 (got {})",
             serve.lease_ms
+        );
+    }
+    if serve.heartbeat_ms < 10 {
+        bail!(
+            "KEEL_HEARTBEAT_MS must be at least 10 (got {})",
+            serve.heartbeat_ms
         );
     }
     let config = Config::load(serve.config.as_deref())?;
@@ -141,7 +170,7 @@ async fn run(serve: Serve) -> Result<()> {
         runner,
         config,
         token: serve.token,
-        heartbeat: Duration::from_secs(15),
+        heartbeat: Duration::from_millis(serve.heartbeat_ms),
         started_at: SystemClock.now_ms(),
     });
     let app = server::router(
@@ -191,5 +220,15 @@ async fn wait_for_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         () = terminate => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
     }
 }
