@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The workspace root.
 pub fn workspace_root() -> &'static Path {
@@ -16,33 +16,40 @@ pub fn workspace_root() -> &'static Path {
 /// that runs the tests, so a test never runs a stale binary.
 pub fn keel_binary() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| build(&["--package", "keel-core", "--bin", "keel"], "keel"))
+}
+
+/// The client's example `prompt`, built like [`keel_binary`].
+pub fn client_example() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
     BINARY.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-        let output = Command::new(cargo)
-            .current_dir(workspace_root())
-            .args([
-                "build",
-                "--quiet",
-                "--package",
-                "keel-core",
-                "--bin",
-                "keel",
-                "--message-format=json",
-            ])
-            .output()
-            .expect("cargo runs");
-        assert!(
-            output.status.success(),
-            "building keel failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout)
-            .lines()
-            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-            .filter(|message| message["target"]["name"] == "keel")
-            .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reports the keel executable it built")
+        build(
+            &["--package", "keel-client", "--example", "prompt"],
+            "prompt",
+        )
     })
+}
+
+/// Builds one target with cargo and returns the executable cargo reports for `name`.
+fn build(target: &[&str], name: &str) -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let output = Command::new(cargo)
+        .current_dir(workspace_root())
+        .args(["build", "--quiet", "--message-format=json"])
+        .args(target)
+        .output()
+        .expect("cargo runs");
+    assert!(
+        output.status.success(),
+        "building {name} failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["target"]["name"] == name)
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo reports the {name} executable it built"))
 }
 
 /// A `keel serve` process on a free loopback port with its own SQLite database, killed
@@ -50,14 +57,25 @@ pub fn keel_binary() -> &'static Path {
 pub struct Server {
     pub base_url: String,
     child: std::process::Child,
+    /// Everything the server wrote to stderr so far (its log).
+    log: Arc<Mutex<String>>,
     _dir: tempfile::TempDir,
 }
 
 impl Server {
     /// Starts `keel serve` with `args` added, and waits until it listens.
     pub fn start(args: &[&str]) -> Self {
+        Self::start_with(&[], args)
+    }
+
+    /// Writes `files` (name, content) into the server's directory, then starts it with
+    /// `args` added: e.g. a `keel.toml` and `--config keel.toml`.
+    pub fn start_with(files: &[(&str, &str)], args: &[&str]) -> Self {
         use std::io::{BufRead, BufReader};
         let dir = tempfile::tempdir().expect("a temporary directory");
+        for (name, content) in files {
+            std::fs::write(dir.path().join(name), content).expect("a test file is written");
+        }
         let db = format!("sqlite://{}", dir.path().join("keel.db").display());
         let mut child = Command::new(keel_binary())
             .args(["serve", "--listen", "127.0.0.1:0", "--db", &db])
@@ -66,9 +84,23 @@ impl Server {
             .env_remove("KEEL_TOKEN")
             .env_remove("KEEL_CONFIG")
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .env("RUST_LOG", "info")
+            .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("keel starts");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("piped stderr");
+        std::thread::spawn({
+            let log = log.clone();
+            move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { return };
+                    let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+                    log.push_str(&line);
+                    log.push('\n');
+                }
+            }
+        });
         let stdout = child.stdout.take().expect("piped stdout");
         let mut line = String::new();
         BufReader::new(stdout)
@@ -82,8 +114,15 @@ impl Server {
         Self {
             base_url,
             child,
+            log,
             _dir: dir,
         }
+    }
+
+    /// Whether the server's log so far has a line containing `text`.
+    pub fn logged(&self, text: &str) -> bool {
+        let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        log.lines().any(|line| line.contains(text))
     }
 
     /// The directory the server runs in (the default session directory).

@@ -167,30 +167,45 @@ pub async fn session_log(
     Ok(stream(rx, heartbeat))
 }
 
+/// Events a `/api/event` subscriber may have waiting before it counts as fallen behind.
+const SUBSCRIBER_QUEUE: usize = 256;
+
 pub async fn events(State(state): State<AppState>) -> Events {
     let mut live = state.runner.subscribe();
-    let (tx, rx) = mpsc::channel(256);
+    // One slot more than the queue, kept for the `lagged` message.
+    let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE + 1);
     tokio::spawn(async move {
+        let lagged = |reason: String| {
+            tracing::warn!(%reason, "an /api/event subscriber fell behind and is disconnected");
+            let lagged = Lagged {
+                kind: LaggedType::Lagged,
+                reason: format!("{reason}; reconnect and catch up from each session's log"),
+            };
+            let data = serde_json::to_string(&lagged).unwrap_or_default();
+            // The reserved slot is free: this task is the only sender.
+            drop(tx.try_send(Event::default().event("lagged").data(data)));
+        };
         loop {
-            let event = match live.recv().await {
+            let event = tokio::select! {
+                event = live.recv() => event,
+                () = tx.closed() => return,
+            };
+            let event = match event {
                 Ok(Live::Durable(envelope)) => serde_json::to_string(&envelope),
                 Ok(Live::Ephemeral(event)) => serde_json::to_string(&event),
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
-                    let lagged = Lagged {
-                        kind: LaggedType::Lagged,
-                        reason: format!(
-                            "this subscriber fell {missed} events behind and is disconnected; \
-                             reconnect and catch up from each session's log"
-                        ),
-                    };
-                    let data = serde_json::to_string(&lagged).unwrap_or_default();
-                    // Disconnecting follows either way.
-                    drop(tx.send(Event::default().event("lagged").data(data)).await);
-                    return;
+                    return lagged(format!(
+                        "this subscriber missed {missed} events and is disconnected"
+                    ));
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
             };
             let Ok(data) = event else { continue };
+            if tx.capacity() <= 1 {
+                return lagged(format!(
+                    "this subscriber left {SUBSCRIBER_QUEUE} events unread and is disconnected"
+                ));
+            }
             if tx.send(Event::default().data(data)).await.is_err() {
                 return;
             }
