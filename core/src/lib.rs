@@ -15,6 +15,7 @@ pub mod event;
 pub mod execution;
 pub mod inbox;
 pub mod provider;
+pub mod recovery;
 pub mod runner;
 pub mod server;
 pub mod store;

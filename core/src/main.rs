@@ -161,6 +161,13 @@ async fn run(serve: Serve) -> Result<()> {
         let shutdown = shutdown.clone();
         async move { runner.renew_leases(shutdown).await }
     });
+    // Executions abandoned by a dead process (or by this one, before a restart) are
+    // taken over now and every half lease.
+    let recovering = tokio::spawn(keel_core::recovery::run(
+        runner.clone(),
+        serve.lease_ms,
+        shutdown.clone(),
+    ));
     let listener = tokio::net::TcpListener::bind(serve.listen)
         .await
         .with_context(|| format!("binding {}", serve.listen))?;
@@ -197,6 +204,7 @@ async fn run(serve: Serve) -> Result<()> {
         () = async { shutdown.cancelled().await; tokio::time::sleep(Duration::from_secs(3)).await } => {}
     }
     renewing.abort();
+    recovering.abort();
     // Hand the claims back at once, so a restarted keel recovers them without waiting.
     let expired = store
         .write(move |c| execution::expire_all(c, SystemClock.now_ms(), owner))

@@ -93,6 +93,11 @@ pub struct ExecutionStatus {
     pub owner_id: OwnerId,
     pub phase: Phase,
     pub expires_at: i64,
+    /// Set when recovery found the abandoned claim invalid and set it aside
+    /// (quarantined): it is not retried, and the session stays busy until an operator
+    /// removes the claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery_error: Option<String>,
 }
 
 /// `GET /api/session/{id}/status`.

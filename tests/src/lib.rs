@@ -57,7 +57,8 @@ fn build(target: &[&str], name: &str) -> PathBuf {
 pub struct Server {
     pub base_url: String,
     child: std::process::Child,
-    /// Everything the server wrote to stderr so far (its log).
+    args: Vec<String>,
+    /// Everything the server wrote to stderr so far (its log), across restarts.
     log: Arc<Mutex<String>>,
     _dir: tempfile::TempDir,
 }
@@ -71,52 +72,30 @@ impl Server {
     /// Writes `files` (name, content) into the server's directory, then starts it with
     /// `args` added: e.g. a `keel.toml` and `--config keel.toml`.
     pub fn start_with(files: &[(&str, &str)], args: &[&str]) -> Self {
-        use std::io::{BufRead, BufReader};
         let dir = tempfile::tempdir().expect("a temporary directory");
         for (name, content) in files {
             std::fs::write(dir.path().join(name), content).expect("a test file is written");
         }
-        let db = format!("sqlite://{}", dir.path().join("keel.db").display());
-        let mut child = Command::new(keel_binary())
-            .args(["serve", "--listen", "127.0.0.1:0", "--db", &db])
-            .args(args)
-            .current_dir(dir.path())
-            .env_remove("KEEL_TOKEN")
-            .env_remove("KEEL_CONFIG")
-            .stdout(std::process::Stdio::piped())
-            .env("RUST_LOG", "info")
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("keel starts");
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let log = Arc::new(Mutex::new(String::new()));
-        let stderr = child.stderr.take().expect("piped stderr");
-        std::thread::spawn({
-            let log = log.clone();
-            move || {
-                for line in BufReader::new(stderr).lines() {
-                    let Ok(line) = line else { return };
-                    let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
-                    log.push_str(&line);
-                    log.push('\n');
-                }
-            }
-        });
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("keel prints where it listens");
-        let base_url = line
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_owned();
+        let (child, base_url) = spawn(dir.path(), &args, &log);
         Self {
             base_url,
             child,
+            args,
             log,
             _dir: dir,
         }
+    }
+
+    /// Kills the server with SIGKILL (no shutdown, leases left to run out) and starts it
+    /// again on the same database and directory. It listens on a new port.
+    pub fn kill_and_restart(&mut self) {
+        self.child.kill().expect("keel is killed");
+        self.child.wait().expect("keel is reaped");
+        let (child, base_url) = spawn(self._dir.path(), &self.args, &self.log);
+        self.child = child;
+        self.base_url = base_url;
     }
 
     /// Whether the server's log so far has a line containing `text`.
@@ -137,4 +116,45 @@ impl Drop for Server {
         drop(self.child.kill());
         drop(self.child.wait());
     }
+}
+
+/// Starts `keel serve` in `dir` on its `keel.db`, appending its stderr to `log`, and waits
+/// until it listens.
+fn spawn(dir: &Path, args: &[String], log: &Arc<Mutex<String>>) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let db = format!("sqlite://{}", dir.join("keel.db").display());
+    let mut child = Command::new(keel_binary())
+        .args(["serve", "--listen", "127.0.0.1:0", "--db", &db])
+        .args(args)
+        .current_dir(dir)
+        .env_remove("KEEL_TOKEN")
+        .env_remove("KEEL_CONFIG")
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("keel starts");
+    let stderr = child.stderr.take().expect("piped stderr");
+    std::thread::spawn({
+        let log = log.clone();
+        move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+                log.push_str(&line);
+                log.push('\n');
+            }
+        }
+    });
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("keel prints where it listens");
+    let base_url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    (child, base_url)
 }

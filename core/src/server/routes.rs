@@ -230,6 +230,7 @@ pub async fn session_status(
             owner_id: row.claim.owner_id,
             phase: row.phase,
             expires_at: row.expires_at,
+            recovery_error: row.recovery_error,
         }),
         pending_inputs: pending,
     }))

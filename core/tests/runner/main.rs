@@ -8,4 +8,5 @@ mod cancellation;
 mod faults;
 mod ownership;
 mod permissions;
+mod recovery;
 mod steps;

@@ -154,6 +154,8 @@ impl Provider for Recording {
 pub struct Harness {
     pub store: Store,
     pub runner: Runner,
+    /// What `runner` was built with, for a second owner on the same store.
+    settings: Settings,
     pub clock: Arc<ManualClock>,
     pub gate_started: mpsc::UnboundedReceiver<Value>,
     pub release: Arc<Notify>,
@@ -242,20 +244,19 @@ impl Harness {
         let mut agents = HashMap::new();
         agents.insert("build".into(), setup.agent.unwrap_or_default());
         let owner = OwnerId::new();
-        let runner = Runner::new(
-            store.clone(),
-            Settings {
-                owner,
-                lease_ms: LEASE,
-                agents,
-                providers,
-                tools: Registry::new(tools),
-                limits: tool::Limits::default(),
-            },
-        );
+        let settings = Settings {
+            owner,
+            lease_ms: LEASE,
+            agents,
+            providers,
+            tools: Registry::new(tools),
+            limits: tool::Limits::default(),
+        };
+        let runner = Runner::new(store.clone(), settings.clone());
         Self {
             store,
             runner,
+            settings,
             clock,
             gate_started,
             release,
@@ -365,6 +366,17 @@ impl Harness {
             })
             .await
             .unwrap();
+    }
+
+    /// Another process on the same database: same tools and providers, a new owner.
+    pub fn other_runner(&self) -> Runner {
+        Runner::new(
+            self.store.clone(),
+            Settings {
+                owner: OwnerId::new(),
+                ..self.settings.clone()
+            },
+        )
     }
 
     pub async fn claim_exists(&self, session: SessionId) -> bool {

@@ -1,0 +1,401 @@
+//! Recovery: taking over executions whose owner died, exactly once.
+//!
+//! A pass runs at start and then every half lease ([`run`]). It
+//! 1. selects expired claims that are not quarantined, a bounded batch
+//!    ([`BATCH_SIZE`]) in the order of `session_execution_recovery_scan_idx`;
+//! 2. validates each row; a row that cannot be trusted (unknown phase, an assistant that
+//!    is not this session's, an assistant superseded by a newer one) is quarantined:
+//!    `recovery_error` set, logged, shown by the status route, never retried
+//!    automatically, and never in the way of valid rows (it leaves the scan);
+//! 3. recovers each valid row in one transaction, conditioned on the exact claim (id,
+//!    owner, `expires_at`), so a claim settled or renewed since it was selected is left
+//!    alone and a live lease is never taken: `step.recovered` for the step that was
+//!    running (its projection fails the unresolved tool calls with
+//!    `tool.interrupted-by-crash`, so no write tool is run twice), `execution.settled
+//!    {outcome: recovered}`, deletion of the claim, and the admission of one continuation
+//!    input whose id derives from the dead execution's id, so a second pass can never
+//!    recover the same execution again;
+//! 4. wakes the recovered sessions, and redrives ordinary intent whose wake was lost:
+//!    sessions with inputs admitted with execution requested, still pending, and no
+//!    claim.
+//!
+//! A session recovered [`MAX_ATTEMPTS`] times in a row (no execution settling otherwise
+//! in between) is not continued again: its execution settles `failed` with
+//! `recovery.attempts-exhausted`, so a crash loop ends with a clear error.
+
+use std::time::Duration;
+
+use diesel::prelude::*;
+use keel_schema::event::{DurableEvent, Envelope, payload};
+use keel_schema::id::{ExecutionId, InputId, MessageId, SessionId};
+use keel_schema::types::{Delivery, ErrorInfo, InputKind, InputSource, Outcome, Part, Phase};
+use tokio_util::sync::CancellationToken;
+
+use crate::coordinator::Scope;
+use crate::event::log;
+use crate::event::projector::parse_text;
+use crate::inbox::{self, Admission};
+use crate::runner::Runner;
+use crate::store::schema::{event, session_execution, session_input, session_message};
+use crate::store::{self, Conn, Store};
+
+/// Claims examined per pass; the rest wait for the next pass.
+pub const BATCH_SIZE: i64 = 64;
+
+/// Recoveries of one session in a row after which its execution fails instead.
+pub const MAX_ATTEMPTS: usize = 10;
+
+/// The continuation the model sees after a recovery.
+pub const CONTINUATION: &str = "Keel restarted while you were working. Tool calls that were \
+    running did not finish and were not run again; their results say so. Check their effect \
+    before repeating any, then continue.";
+
+/// What one pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Sessions whose abandoned execution was settled and continued.
+    pub recovered: Vec<SessionId>,
+    /// Sessions whose abandoned execution failed: too many recoveries in a row.
+    pub exhausted: Vec<SessionId>,
+    /// Claims set aside, with the reason.
+    pub quarantined: Vec<(String, String)>,
+    /// Sessions with pending, requested work and no claim, woken again.
+    pub redriven: Vec<SessionId>,
+}
+
+impl Report {
+    pub fn is_empty(&self) -> bool {
+        self == &Report::default()
+    }
+}
+
+/// A claim row as selected, before validation: plain text, so a corrupt row can still
+/// be named and quarantined.
+#[derive(Debug, Clone)]
+struct Candidate {
+    id: String,
+    session_id: String,
+    owner_id: String,
+    assistant_message_id: Option<String>,
+    phase: String,
+    expires_at: i64,
+}
+
+/// What recovering one candidate came to.
+enum Recovered {
+    Continued(SessionId, Vec<Envelope>),
+    Exhausted(SessionId, Vec<Envelope>),
+    /// Settled, renewed or taken since it was selected: left alone.
+    Moved,
+    Quarantine(String),
+}
+
+/// Runs a pass now and then every half lease until `shutdown`.
+pub async fn run(runner: Runner, lease_ms: i64, shutdown: CancellationToken) {
+    let period = Duration::from_millis(u64::try_from(lease_ms / 2).unwrap_or(1).max(1));
+    loop {
+        match pass(&runner).await {
+            Ok(report) if !report.is_empty() => tracing::info!(
+                recovered = report.recovered.len(),
+                exhausted = report.exhausted.len(),
+                quarantined = report.quarantined.len(),
+                redriven = report.redriven.len(),
+                "recovery pass"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::error!(error = %e, "a recovery pass failed; retrying next period"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(period) => {}
+        }
+    }
+}
+
+/// One pass: settle the abandoned executions of one batch and wake their sessions, then
+/// redrive lost wakes.
+pub async fn pass(runner: &Runner) -> Result<Report, store::Error> {
+    let store = runner.engine().store().clone();
+    let mut report = settle_abandoned(&store, |envelopes| runner.announce(envelopes)).await?;
+    for &session in &report.recovered {
+        runner.wake(session, Scope::Input);
+    }
+    let lost = store.read(lost_wakes).await?;
+    for session in lost {
+        if !runner.is_busy(session) {
+            runner.wake(session, Scope::Input);
+            report.redriven.push(session);
+        }
+    }
+    Ok(report)
+}
+
+/// The database half of a pass: validates one batch of expired claims, quarantines the
+/// invalid ones and settles the rest, handing what it wrote to `announce`. Wakes nothing.
+pub async fn settle_abandoned(
+    store: &Store,
+    announce: impl Fn(&[Envelope]),
+) -> Result<Report, store::Error> {
+    let mut report = Report::default();
+    let now = store.clock().now_ms();
+    let candidates = store.read(move |c| expired(c, now)).await?;
+    for candidate in candidates {
+        let id = candidate.id.clone();
+        let clock = store.clock().clone();
+        let attempt = candidate.clone();
+        let recovered = store
+            .write(move |c| recover(c, clock.now_ms(), &attempt))
+            .await;
+        match recovered {
+            Ok(Recovered::Continued(session, envelopes)) => {
+                announce(&envelopes);
+                tracing::warn!(%session, claim = %id, "recovered an abandoned execution");
+                report.recovered.push(session);
+            }
+            Ok(Recovered::Exhausted(session, envelopes)) => {
+                announce(&envelopes);
+                tracing::error!(%session, claim = %id, "recovery attempts exhausted; the execution failed");
+                report.exhausted.push(session);
+            }
+            Ok(Recovered::Moved) => {}
+            Ok(Recovered::Quarantine(reason)) => {
+                quarantine(store, &candidate, &reason).await?;
+                report.quarantined.push((id, reason));
+            }
+            Err(e) => {
+                // A row the database refuses to settle (a broken reference, say) must not
+                // hold the rest back; it is set aside with the reason.
+                let reason = format!("recovering failed: {e}");
+                quarantine(store, &candidate, &reason).await?;
+                report.quarantined.push((id, reason));
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// One batch of expired, unquarantined claims, in scan-index order.
+fn expired(connection: &mut Conn, now: i64) -> Result<Vec<Candidate>, store::Error> {
+    let rows: Vec<(String, String, String, Option<String>, String, i64)> = session_execution::table
+        .filter(session_execution::recovery_error.is_null())
+        .filter(session_execution::expires_at.le(now))
+        .order((
+            session_execution::expires_at.asc(),
+            session_execution::time_created.asc(),
+            session_execution::id.asc(),
+        ))
+        .limit(BATCH_SIZE)
+        .select((
+            session_execution::id,
+            session_execution::session_id,
+            session_execution::owner_id,
+            session_execution::assistant_message_id,
+            session_execution::phase,
+            session_execution::expires_at,
+        ))
+        .load(connection)?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(id, session_id, owner_id, assistant_message_id, phase, expires_at)| Candidate {
+                id,
+                session_id,
+                owner_id,
+                assistant_message_id,
+                phase,
+                expires_at,
+            },
+        )
+        .collect())
+}
+
+/// Sessions with an input admitted with execution requested, still pending, and no claim:
+/// their wake was lost (the process died between admission and wake, say).
+fn lost_wakes(connection: &mut Conn) -> Result<Vec<SessionId>, store::Error> {
+    let claimed = session_execution::table.select(session_execution::session_id);
+    let ids: Vec<String> = session_input::table
+        .filter(session_input::execution_requested.eq(true))
+        .filter(session_input::promoted_seq.is_null())
+        .filter(session_input::cancelled_seq.is_null())
+        .filter(session_input::session_id.ne_all(claimed))
+        .select(session_input::session_id)
+        .distinct()
+        .order(session_input::session_id.asc())
+        .limit(BATCH_SIZE)
+        .load(connection)?;
+    ids.into_iter()
+        .map(|id| {
+            id.parse()
+                .map_err(|e| store::Error::Corrupt(format!("input session {id}: {e}")))
+        })
+        .collect()
+}
+
+async fn quarantine(
+    store: &Store,
+    candidate: &Candidate,
+    reason: &str,
+) -> Result<(), store::Error> {
+    tracing::error!(claim = %candidate.id, session = %candidate.session_id, %reason, "claim quarantined");
+    let (id, reason) = (candidate.id.clone(), reason.to_owned());
+    store
+        .write(move |c| {
+            diesel::update(
+                session_execution::table
+                    .filter(session_execution::id.eq(id))
+                    .filter(session_execution::recovery_error.is_null()),
+            )
+            .set(session_execution::recovery_error.eq(reason))
+            .execute(c)
+            .map(|_| ())
+            .map_err(store::Error::from)
+        })
+        .await
+}
+
+/// Validates and recovers one claim, in the caller's transaction.
+fn recover(
+    connection: &mut Conn,
+    now: i64,
+    candidate: &Candidate,
+) -> Result<Recovered, store::Error> {
+    let Ok(session) = candidate.session_id.parse::<SessionId>() else {
+        return Ok(Recovered::Quarantine(format!(
+            "session id `{}` is not valid",
+            candidate.session_id
+        )));
+    };
+    let Ok(execution) = candidate.id.parse::<ExecutionId>() else {
+        return Ok(Recovered::Quarantine(format!(
+            "execution id `{}` is not valid",
+            candidate.id
+        )));
+    };
+    if let Err(e) = parse_text::<Phase>("session_execution.phase", &candidate.phase) {
+        return Ok(Recovered::Quarantine(format!("unknown phase: {e}")));
+    }
+    let open_step = match &candidate.assistant_message_id {
+        None => None,
+        Some(assistant) => match validate_assistant(connection, session, assistant)? {
+            Ok(step) => step,
+            Err(reason) => return Ok(Recovered::Quarantine(reason)),
+        },
+    };
+
+    // The compare-and-set: exactly the claim that was selected, still expired.
+    let deleted = diesel::delete(
+        session_execution::table
+            .filter(session_execution::id.eq(&candidate.id))
+            .filter(session_execution::owner_id.eq(&candidate.owner_id))
+            .filter(session_execution::expires_at.eq(candidate.expires_at))
+            .filter(session_execution::expires_at.le(now))
+            .filter(session_execution::recovery_error.is_null()),
+    )
+    .execute(connection)?;
+    if deleted != 1 {
+        return Ok(Recovered::Moved);
+    }
+
+    let exhausted = recoveries_in_a_row(connection, session)? + 1 >= MAX_ATTEMPTS;
+    let mut events = Vec::new();
+    if let Some(assistant_message_id) = open_step {
+        events.push(DurableEvent::StepRecovered(payload::StepRecovered {
+            assistant_message_id,
+            execution_id: execution,
+        }));
+    }
+    events.push(DurableEvent::ExecutionSettled(payload::ExecutionSettled {
+        execution_id: execution,
+        outcome: if exhausted {
+            Outcome::Failed
+        } else {
+            Outcome::Recovered
+        },
+        error: exhausted.then(|| {
+            ErrorInfo::new(
+                "recovery.attempts-exhausted",
+                format!(
+                    "the session's execution was abandoned {MAX_ATTEMPTS} times in a row; \
+                     Keel stopped continuing it. Send a prompt to go on."
+                ),
+            )
+        }),
+    }));
+    let mut envelopes = log::append(connection, now, session, events)?;
+    if exhausted {
+        return Ok(Recovered::Exhausted(session, envelopes));
+    }
+    let before = log::last_seq(connection, session)?.unwrap_or(0);
+    let continuation = Admission {
+        id: Some(InputId::from_ulid(execution.ulid())),
+        kind: InputKind::Prompt,
+        parts: vec![Part::Text {
+            text: CONTINUATION.into(),
+        }],
+        delivery: Delivery::Steer,
+        source: InputSource::Recovery,
+        request_execution: true,
+    };
+    inbox::admit(connection, now, session, continuation)
+        .map_err(|e| store::Error::Corrupt(format!("admitting the continuation: {e}")))?;
+    envelopes.extend(log::read(connection, session, before, u32::MAX)?);
+    Ok(Recovered::Continued(session, envelopes))
+}
+
+/// Checks the claim's assistant message: it must be this session's and its latest. Returns
+/// it when its step is still open (it needs `step.recovered`), or the reason to quarantine.
+fn validate_assistant(
+    connection: &mut Conn,
+    session: SessionId,
+    assistant: &str,
+) -> Result<Result<Option<MessageId>, String>, store::Error> {
+    let Ok(id) = assistant.parse::<MessageId>() else {
+        return Ok(Err(format!("assistant id `{assistant}` is not valid")));
+    };
+    let owner: Option<String> = session_message::table
+        .filter(session_message::id.eq(assistant))
+        .select(session_message::session_id)
+        .first(connection)
+        .optional()?;
+    match owner {
+        None => return Ok(Err(format!("assistant {assistant} does not exist"))),
+        Some(owner) if owner != session.to_string() => {
+            return Ok(Err(format!(
+                "assistant {assistant} belongs to session {owner}, not {session}"
+            )));
+        }
+        Some(_) => {}
+    }
+    let messages = crate::event::projector::messages(connection, session)?;
+    let latest = messages.iter().rev().find_map(|m| match m {
+        keel_schema::api::Message::Assistant { id, end, .. } => Some((*id, end.is_none())),
+        _ => None,
+    });
+    match latest {
+        Some((latest, open)) if latest == id => Ok(Ok(open.then_some(id))),
+        Some((latest, _)) => Ok(Err(format!(
+            "assistant {assistant} is superseded by a newer assistant {latest}"
+        ))),
+        None => Ok(Err(format!(
+            "assistant {assistant} is not in the transcript"
+        ))),
+    }
+}
+
+/// How many of the session's latest executions in a row settled `recovered`.
+fn recoveries_in_a_row(connection: &mut Conn, session: SessionId) -> Result<usize, store::Error> {
+    let settled: Vec<String> = event::table
+        .filter(event::session_id.eq(session.to_string()))
+        .filter(event::type_name.eq("session.next.execution.settled"))
+        .order(event::seq.desc())
+        .limit(i64::try_from(MAX_ATTEMPTS).unwrap_or(i64::MAX))
+        .select(event::data)
+        .load(connection)?;
+    Ok(settled
+        .iter()
+        .take_while(|data| {
+            serde_json::from_str::<payload::ExecutionSettled>(data)
+                .is_ok_and(|s| s.outcome == Outcome::Recovered)
+        })
+        .count())
+}

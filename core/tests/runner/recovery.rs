@@ -1,0 +1,333 @@
+//! Recovery takes over an execution whose owner stopped renewing its lease: exactly once,
+//! without running its tools again, and without being held up by rows it cannot trust.
+//! A dead owner is an owner whose lease ran out on the manual clock; its process may still
+//! be paused in a tool (the gate), and the fence keeps it from writing afterwards.
+
+use diesel::RunQueryDsl;
+use keel_core::clock::Clock;
+use keel_core::coordinator::RunError;
+use keel_core::execution;
+use keel_core::recovery::{self, BATCH_SIZE, CONTINUATION, MAX_ATTEMPTS};
+use keel_core::runner::Error;
+use keel_core::store;
+use keel_schema::api::{AssistantPart, Message, ToolStatus};
+use keel_schema::event::DurableEvent;
+use keel_schema::id::{ExecutionId, InputId, MessageId, OwnerId, SessionId};
+use keel_schema::types::{InputSource, Outcome};
+use serde_json::json;
+
+use crate::support::{Harness, LEASE, Setup, call, script, text};
+
+/// Inserts a claim held by an owner that no longer exists, as a killed process leaves it.
+async fn abandon(
+    h: &Harness,
+    session: SessionId,
+    assistant: Option<MessageId>,
+    phase: &str,
+    expires_at: i64,
+) -> ExecutionId {
+    let id = ExecutionId::new();
+    let owner = OwnerId::new();
+    let assistant = assistant.map_or("NULL".to_owned(), |a| format!("'{a}'"));
+    let phase = phase.to_owned();
+    h.store
+        .write(move |c| {
+            diesel::sql_query(format!(
+                "INSERT INTO session_execution (id, session_id, owner_id, assistant_message_id, \
+                 phase, time_created, expires_at) VALUES ('{id}', '{session}', '{owner}', \
+                 {assistant}, '{phase}', {expires_at}, {expires_at})"
+            ))
+            .execute(c)
+            .map(|_| ())
+            .map_err(store::Error::from)
+        })
+        .await
+        .unwrap();
+    id
+}
+
+async fn recovery_error(h: &Harness, session: SessionId) -> Option<String> {
+    h.store
+        .read(move |c| execution::get(c, session))
+        .await
+        .unwrap()
+        .expect("the claim is still there")
+        .recovery_error
+}
+
+#[tokio::test]
+async fn an_abandoned_execution_is_recovered_once_and_continued_by_another_owner() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![text("Working."), call("gate", json!({}))],
+            vec![text("Continued after the restart.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let first = h.run_to_gate(session).await;
+
+    // The first owner stops renewing (it is paused inside the tool); its lease runs out.
+    h.clock.advance(LEASE + 1);
+    let other = h.other_runner();
+    let report = recovery::pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    assert!(report.quarantined.is_empty() && report.exhausted.is_empty());
+    other.run(session).await.unwrap();
+
+    let log = h.log(session).await;
+    let kinds = h.kinds(session).await;
+    let from = kinds.iter().position(|k| k == "step.recovered").unwrap();
+    assert_eq!(
+        kinds[from..],
+        [
+            "step.recovered",
+            "execution.settled",
+            "prompt.admitted",
+            "prompt.execution_requested",
+            "execution.started",
+            "prompted",
+            "step.started",
+            "text.started",
+            "text.ended",
+            "step.ended",
+            "execution.settled",
+        ]
+    );
+    let settled: Vec<Outcome> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::ExecutionSettled(s) => Some(s.outcome),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(settled, [Outcome::Recovered, Outcome::Succeeded]);
+    let dead = log
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::StepRecovered(r) => Some(r.execution_id),
+            _ => None,
+        })
+        .unwrap();
+    let continuation = log
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::PromptAdmitted(p) if p.source == InputSource::Recovery => {
+                Some(p.input_id)
+            }
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(continuation, InputId::from_ulid(dead.ulid()));
+    assert!(log.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::ExecutionStarted(s) if s.owner_id == other.owner()
+    )));
+
+    // The tool that was running is failed, not run again, and the model was told.
+    let messages = h
+        .store
+        .read(move |c| keel_core::event::projector::messages(c, session))
+        .await
+        .unwrap();
+    let failed = messages
+        .iter()
+        .find_map(|m| match m {
+            Message::Assistant { parts, .. } => parts.iter().find_map(|p| match p {
+                AssistantPart::Tool { status, error, .. } => Some((*status, error.clone())),
+                _ => None,
+            }),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(failed.0, ToolStatus::Error);
+    assert_eq!(failed.1.unwrap().kind, "tool.interrupted-by-crash");
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    let seen = format!("{:?}", requests[1]);
+    assert!(seen.contains("tool.interrupted-by-crash") || seen.contains("did not run it again"));
+    assert!(seen.contains(&CONTINUATION[..40]));
+
+    // A second pass finds nothing: each abandoned execution is recovered once.
+    assert!(recovery::pass(&other).await.unwrap().is_empty());
+
+    // The paused first owner wakes up and can write nothing.
+    let before = h.kinds(session).await;
+    h.release.notify_one();
+    assert_eq!(
+        first.await.unwrap(),
+        Err(RunError::Failed(Error::OwnershipLost(session)))
+    );
+    assert_eq!(h.kinds(session).await, before);
+}
+
+#[tokio::test]
+async fn a_live_lease_is_never_recovered() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Done.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let run = h.run_to_gate(session).await;
+    h.clock.advance(LEASE - 1);
+    let other = h.other_runner();
+    assert!(recovery::pass(&other).await.unwrap().is_empty());
+    assert!(
+        !h.kinds(session)
+            .await
+            .contains(&"step.recovered".to_owned())
+    );
+    h.release.notify_one();
+    run.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_lost_wake_is_redriven() {
+    let h = Harness::new(Setup::default()).await;
+    // Admitted with execution requested, but nothing woke the session.
+    let session = h.prompted("hello").await;
+    let report = recovery::pass(&h.runner).await.unwrap();
+    assert_eq!(report.redriven, vec![session]);
+    h.runner.run(session).await.unwrap();
+    let kinds = h.kinds(session).await;
+    assert_eq!(kinds.last().unwrap(), "execution.settled");
+    assert!(kinds.contains(&"step.ended".to_owned()));
+    assert!(recovery::pass(&h.runner).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn poison_claims_are_quarantined_and_valid_work_behind_a_full_batch_still_wakes() {
+    let h = Harness::new(Setup::default()).await;
+    // A finished session whose assistant message the poison rows point at.
+    let donor = h.prompted("hello").await;
+    h.runner.run(donor).await.unwrap();
+    let foreign = h
+        .log(donor)
+        .await
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::StepStarted(s) => Some(s.assistant_message_id),
+            _ => None,
+        })
+        .unwrap();
+
+    let now = h.clock.now_ms();
+    let mut poisoned = Vec::new();
+    for i in 0..=BATCH_SIZE {
+        let session = h.session().await;
+        // Older than the valid row: each batch is full of poison first.
+        abandon(&h, session, Some(foreign), "running", now - 1_000_000 + i).await;
+        poisoned.push(session);
+    }
+    let valid = h.prompted("recover me").await;
+    abandon(&h, valid, None, "claimed", now - 1).await;
+
+    let first = recovery::pass(&h.runner).await.unwrap();
+    assert_eq!(
+        first.quarantined.len(),
+        usize::try_from(BATCH_SIZE).unwrap()
+    );
+    assert!(first.recovered.is_empty());
+    let second = recovery::pass(&h.runner).await.unwrap();
+    assert_eq!(second.quarantined.len(), 1);
+    assert_eq!(second.recovered, vec![valid]);
+    h.runner.run(valid).await.unwrap();
+    let kinds = h.kinds(valid).await;
+    assert_eq!(kinds.last().unwrap(), "execution.settled");
+    assert!(kinds.contains(&"step.ended".to_owned()));
+
+    for session in poisoned {
+        let error = recovery_error(&h, session).await.expect("quarantined");
+        assert!(error.contains("belongs to session"), "{error}");
+        assert!(
+            !h.kinds(session)
+                .await
+                .contains(&"execution.settled".to_owned())
+        );
+    }
+    // Quarantined rows are not examined again.
+    assert!(recovery::pass(&h.runner).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn an_unknown_phase_or_a_superseded_assistant_is_quarantined() {
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("probe", json!({}))],
+            vec![text("Done.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    // Two finished steps: a claim naming the first assistant is stale.
+    let session = h.prompted("hello").await;
+    h.runner.run(session).await.unwrap();
+    let first_assistant = h
+        .log(session)
+        .await
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::StepStarted(s) => Some(s.assistant_message_id),
+            _ => None,
+        })
+        .unwrap();
+    let now = h.clock.now_ms();
+    abandon(&h, session, Some(first_assistant), "running", now - 1).await;
+
+    // SQLite's CHECK keeps unknown phases out, so the row is corrupted around it.
+    let odd = h.session().await;
+    abandon(&h, odd, None, "running", now - 1).await;
+    h.store
+        .write(move |c| {
+            diesel::sql_query("PRAGMA ignore_check_constraints = ON").execute(c)?;
+            diesel::sql_query(format!(
+                "UPDATE session_execution SET phase = 'dancing' WHERE session_id = '{odd}'"
+            ))
+            .execute(c)?;
+            diesel::sql_query("PRAGMA ignore_check_constraints = OFF").execute(c)?;
+            Ok::<_, store::Error>(())
+        })
+        .await
+        .unwrap();
+
+    let report = recovery::pass(&h.runner).await.unwrap();
+    assert_eq!(report.quarantined.len(), 2, "{report:?}");
+    let superseded = recovery_error(&h, session).await.unwrap();
+    assert!(superseded.contains("superseded"), "{superseded}");
+    let reasons: Vec<&str> = report.quarantined.iter().map(|(_, r)| r.as_str()).collect();
+    assert!(
+        reasons.iter().any(|r| r.contains("unknown phase")),
+        "{reasons:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_session_abandoned_too_often_in_a_row_fails_instead_of_looping() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.session().await;
+    let now = h.clock.now_ms();
+    for attempt in 1..=MAX_ATTEMPTS {
+        abandon(&h, session, None, "claimed", now - 1).await;
+        // Settle without waking: each continuation is abandoned again before it runs.
+        let report = recovery::settle_abandoned(&h.store, |_| {}).await.unwrap();
+        if attempt < MAX_ATTEMPTS {
+            assert_eq!(report.recovered, vec![session], "attempt {attempt}");
+        } else {
+            assert_eq!(report.exhausted, vec![session]);
+        }
+    }
+    let last = h.log(session).await.pop().unwrap();
+    match last.event {
+        DurableEvent::ExecutionSettled(settled) => {
+            assert_eq!(settled.outcome, Outcome::Failed);
+            assert_eq!(settled.error.unwrap().kind, "recovery.attempts-exhausted");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!h.claim_exists(session).await);
+}
