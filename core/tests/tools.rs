@@ -7,6 +7,7 @@ use std::sync::Arc;
 use base64::Engine as _;
 use keel_core::tool::{Context, Error, Limits, Output, Tool, builtins};
 use keel_schema::types::{Effect, ToolContent};
+use keel_schema::id::{CallId, SessionId};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::sync::mpsc;
@@ -49,6 +50,7 @@ impl Session {
             cancel: CancellationToken::new(),
             limits,
             progress: None,
+            call: None,
         };
         Self {
             _tmp: tmp,
@@ -732,6 +734,18 @@ async fn bash_runs_in_the_session_directory_with_empty_stdin_and_interleaved_out
             }],
         }
     );
+}
+
+#[tokio::test]
+async fn bash_tells_the_command_its_session_and_call_when_a_session_runs_it() {
+    let mut s = Session::new();
+    let command = json!({ "command": "echo \"[$KEEL_SESSION_ID] [$KEEL_CALL_ID]\"" });
+    let alone = s.call("bash", command.clone()).await.expect("bash");
+    assert_eq!(text(&alone), "[] []\n");
+    let (session, call) = (SessionId::new(), CallId::new());
+    s.context.call = Some((session, call));
+    let ran = s.call("bash", command).await.expect("bash");
+    assert_eq!(text(&ran), format!("[{session}] [{call}]\n"));
 }
 
 #[tokio::test]

@@ -201,6 +201,7 @@ impl Engine {
             cancel: cancel.clone(),
             limits: self.settings.limits,
             progress: Some(progress_tx),
+            call: Some((held.claim.session_id, call_id)),
         };
         let live = self.live.clone();
         let session = held.claim.session_id;

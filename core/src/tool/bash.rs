@@ -15,6 +15,9 @@
 //! - the output kept is at most [`Limits::max_output_bytes`], noted when cut; all of it is
 //!   offered as progress (`{"output": "..."}`) without ever waiting on a full channel.
 //!
+//! Run for a session, the command sees `KEEL_SESSION_ID` and `KEEL_CALL_ID`: a script
+//! that changes the world can use the call id as an idempotency key.
+//!
 //! `bash` is not a sandbox: the command can do anything the user running Keel can. The
 //! permission policy is what guards it.
 //!
@@ -111,6 +114,10 @@ async fn run(command: &str, timeout_ms: u64, context: &Context) -> Result<Output
             .stderr(Stdio::from(stderr))
             .process_group(0)
             .kill_on_drop(true);
+        if let Some((session, call)) = context.call {
+            cmd.env("KEEL_SESSION_ID", session.to_string())
+                .env("KEEL_CALL_ID", call.to_string());
+        }
         cmd.spawn().map_err(failed)?
         // `cmd` drops here with our copies of the pipe's write end, so the read end sees
         // end-of-file once the command and its children are done with it.

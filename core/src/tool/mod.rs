@@ -32,6 +32,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use keel_schema::id::{CallId, SessionId};
 use keel_schema::types::{Effect, ErrorInfo, ToolContent};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -48,6 +49,10 @@ pub struct Context {
     pub limits: Limits,
     /// Where to send progress (published as ephemeral `tool.progress` events), if anywhere.
     pub progress: Option<mpsc::Sender<Value>>,
+    /// The session and the call this run is for, when run by a session. `bash` exports
+    /// them to its command as `KEEL_SESSION_ID` and `KEEL_CALL_ID` (an idempotency key
+    /// for scripts that change the world).
+    pub call: Option<(SessionId, CallId)>,
 }
 
 /// Output limits.
