@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use keel_core::tool::{Context, Error, Limits, Output, Tool, builtins};
-use keel_schema::types::{Effect, ToolContent};
 use keel_schema::id::{CallId, SessionId};
+use keel_schema::types::{Effect, ToolContent};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::sync::mpsc;

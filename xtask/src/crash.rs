@@ -1,0 +1,577 @@
+//! `cargo xtask crash [--iterations N] [--seed S] [--sessions M]`: the proof that a killed
+//! Keel loses nothing.
+//!
+//! Starts the real `keel serve` on a temporary SQLite database with a scripted model
+//! whose turns stream text, read files, write files and run `bash` commands that record
+//! every real execution (by `KEEL_CALL_ID`) in a side file. Clients prompt (queued and
+//! steering, with client-chosen ids) and interrupt many sessions concurrently while the
+//! server is SIGKILLed at random moments and restarted on the same database. Prompts whose
+//! answer was lost to a kill are retried with the same id. After the last restart it waits
+//! until every session is idle and checks, from the logs and the side file:
+//! - every admitted input was promoted or cancelled, exactly once, and every prompt a
+//!   client sent was admitted;
+//! - no `bash` call ran twice, and every call that ran was recorded before it ran;
+//! - every step has exactly one terminal event, every execution exactly one settlement,
+//!   every tool call at most one result (none only when its step was interrupted or
+//!   recovered, which fails it);
+//! - each session's seq is gapless;
+//! - no claim is left behind.
+//!
+//! It prints `N kills, M sessions, V violations` and fails on any violation, keeping the
+//! directory (database, server log, side file) for inspection.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use futures::StreamExt;
+use keel_client::schema::api::{CreateSession, LogItem, PromptRequest};
+use keel_client::schema::event::{DurableEvent, Envelope};
+use keel_client::schema::id::{InputId, SessionId};
+use keel_client::schema::types::{Delivery, Part};
+use keel_client::{Client, LogOptions};
+
+const USAGE: &str = "usage: cargo xtask crash [--iterations N] [--seed S] [--sessions M]";
+
+/// The lease the server runs with: short, so a killed process's claims run out quickly.
+const LEASE_MS: &str = "1000";
+
+/// How long the sessions may take to become idle after the last restart.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(180);
+
+struct Options {
+    iterations: u32,
+    seed: u64,
+    sessions: usize,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut options = Options {
+        iterations: 10,
+        seed: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1),
+        sessions: 6,
+    };
+    let mut args = args.iter();
+    while let Some(flag) = args.next() {
+        let value = args
+            .next()
+            .with_context(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let bad = |e: std::num::ParseIntError| anyhow::anyhow!("{flag} {value}: {e}\n{USAGE}");
+        match flag.as_str() {
+            "--iterations" => options.iterations = value.parse().map_err(bad)?,
+            "--seed" => options.seed = value.parse().map_err(bad)?,
+            "--sessions" => options.sessions = value.parse().map_err(bad)?,
+            _ => bail!("unknown flag {flag}\n{USAGE}"),
+        }
+    }
+    if options.sessions == 0 {
+        bail!("--sessions must be at least 1");
+    }
+    Ok(options)
+}
+
+pub fn run(root: &Path, args: &[String]) -> Result<()> {
+    let options = parse(args)?;
+    println!(
+        "crash: {} iterations, {} sessions, seed {}",
+        options.iterations, options.sessions, options.seed
+    );
+    let binary = build_keel(root)?;
+    let dir = tempfile::tempdir().context("creating a temporary directory")?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let outcome = runtime.block_on(campaign(&binary, dir.path(), &options));
+    match outcome {
+        Ok(violations) if violations.is_empty() => Ok(()),
+        Ok(violations) => {
+            for violation in &violations {
+                eprintln!("violation: {violation}");
+            }
+            let kept = dir.keep();
+            bail!(
+                "{} violations (seed {}); the database, server log and side file are in {}",
+                violations.len(),
+                options.seed,
+                kept.display()
+            )
+        }
+        Err(e) => {
+            let kept = dir.keep();
+            Err(e.context(format!(
+                "the crash run could not finish (seed {}); its files are in {}",
+                options.seed,
+                kept.display()
+            )))
+        }
+    }
+}
+
+/// Builds `keel` with the cargo running xtask and returns the executable.
+fn build_keel(root: &Path) -> Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let output = Command::new(cargo)
+        .current_dir(root)
+        .args([
+            "build",
+            "--quiet",
+            "--message-format=json",
+            "--package",
+            "keel-core",
+            "--bin",
+            "keel",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo build")?;
+    if !output.status.success() {
+        bail!("building keel failed");
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["target"]["name"] == "keel")
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .context("cargo did not report the keel executable")
+}
+
+/// The model's turns, in the order a session reaches them (the scripted model plays the
+/// response whose index is the number of assistant turns so far; the last repeats).
+fn script(side_file: &Path) -> serde_json::Value {
+    let record = format!(
+        "echo \"$KEEL_CALL_ID\" >> '{}'; sleep 0.1",
+        side_file.display()
+    );
+    let text = |t: &str| serde_json::json!({ "type": "text", "text": t, "chunks": 4 });
+    let delay = |ms: u64| serde_json::json!({ "type": "delay", "ms": ms });
+    let call = |name: &str, input: serde_json::Value| serde_json::json!({ "type": "tool_call", "name": name, "input": input });
+    let bash = call("bash", serde_json::json!({ "command": record }));
+    let read = call("read", serde_json::json!({ "path": "notes.txt" }));
+    let write = call(
+        "write",
+        serde_json::json!({ "path": "out.txt", "content": "written by the model\n" }),
+    );
+    let turns = vec![
+        vec![text("Reading the notes."), read.clone()],
+        vec![text("Recording a run."), delay(30), bash.clone()],
+        vec![text("Writing a file."), write.clone()],
+        vec![text("Done with that."), delay(50), text("Anything else?")],
+        vec![text("Two things at once."), bash.clone(), read.clone()],
+        vec![delay(40), text("Both finished.")],
+        vec![text("Once more."), bash.clone(), write],
+        vec![text("All recorded."), delay(30), text("Ready.")],
+        vec![bash],
+        vec![text("Idle again.")],
+    ];
+    serde_json::json!({
+        "responses": turns
+            .into_iter()
+            .map(|items| serde_json::json!({ "items": items }))
+            .collect::<Vec<_>>()
+    })
+}
+
+/// A running `keel serve`.
+struct Keel {
+    child: Child,
+    client: Client,
+}
+
+impl Keel {
+    fn start(binary: &Path, dir: &Path) -> Result<Self> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("keel.log"))
+            .context("opening the server log")?;
+        let mut child = Command::new(binary)
+            .args(["serve", "--listen", "127.0.0.1:0", "--config", "keel.toml"])
+            .args(["--db", "sqlite://keel.db", "--lease-ms", LEASE_MS])
+            .current_dir(dir)
+            .env_remove("KEEL_TOKEN")
+            .env_remove("KEEL_CONFIG")
+            .env_remove("KEEL_DB")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .context("starting keel")?;
+        let stdout = child.stdout.take().context("keel's stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .context("reading where keel listens")?;
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .with_context(|| format!("keel did not say where it listens: {line:?}"))?;
+        Ok(Self {
+            client: Client::new(url)?,
+            child,
+        })
+    }
+
+    fn kill(mut self) -> Result<()> {
+        self.child.kill().context("killing keel")?;
+        self.child.wait().context("reaping keel")?;
+        Ok(())
+    }
+}
+
+/// splitmix64: a small deterministic generator for the run's choices.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// A prompt a client sent, and whether Keel's answer arrived.
+#[derive(Debug, Clone)]
+struct Sent {
+    session: SessionId,
+    request: PromptRequest,
+    acknowledged: bool,
+}
+
+type Ledger = Arc<Mutex<Vec<Sent>>>;
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Clients acting on the sessions until `stop`: prompts (queued or steering) and
+/// interrupts, a few milliseconds apart.
+async fn act(
+    client: Client,
+    sessions: Vec<SessionId>,
+    ledger: Ledger,
+    mut rng: Rng,
+    stop: Arc<AtomicBool>,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        let session = sessions[rng.below(sessions.len() as u64) as usize];
+        match rng.below(10) {
+            0..=5 => {
+                let delivery = if rng.below(3) == 0 {
+                    Delivery::Steer
+                } else {
+                    Delivery::Queue
+                };
+                let request = PromptRequest {
+                    id: Some(InputId::new()),
+                    parts: vec![Part::Text {
+                        text: format!("task {}", rng.next() % 10_000),
+                    }],
+                    delivery: Some(delivery),
+                    request_execution: None,
+                };
+                let index = {
+                    let mut ledger = lock(&ledger);
+                    ledger.push(Sent {
+                        session,
+                        request: request.clone(),
+                        acknowledged: false,
+                    });
+                    ledger.len() - 1
+                };
+                if client.prompt(session, &request).await.is_ok() {
+                    lock(&ledger)[index].acknowledged = true;
+                }
+            }
+            6 => {
+                // Errors (the server is being killed) are part of the game.
+                drop(client.interrupt(session).await);
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(5 + rng.below(60))).await;
+    }
+}
+
+async fn campaign(binary: &Path, dir: &Path, options: &Options) -> Result<Vec<String>> {
+    let side_file = dir.join("executions.log");
+    std::fs::write(dir.join("script.json"), script(&side_file).to_string())?;
+    std::fs::write(
+        dir.join("keel.toml"),
+        "default_model = \"crash/scripted\"\n[provider.crash]\nkind = \"scripted\"\n\
+         script = \"script.json\"\n",
+    )?;
+    let mut rng = Rng(options.seed);
+    let mut keel = Keel::start(binary, dir)?;
+    let mut sessions = Vec::new();
+    for i in 0..options.sessions {
+        let directory = dir.join("sessions").join(i.to_string());
+        std::fs::create_dir_all(&directory)?;
+        std::fs::write(
+            directory.join("notes.txt"),
+            format!("notes of session {i}\n"),
+        )?;
+        let session = keel
+            .client
+            .create_session(&CreateSession {
+                directory: Some(directory.display().to_string()),
+                ..CreateSession::default()
+            })
+            .await?;
+        sessions.push(session.id);
+    }
+
+    let ledger: Ledger = Arc::new(Mutex::new(Vec::new()));
+    for iteration in 1..=options.iterations {
+        retry_unacknowledged(&keel.client, &ledger).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let actors: Vec<_> = (0..3)
+            .map(|_| {
+                tokio::spawn(act(
+                    keel.client.clone(),
+                    sessions.clone(),
+                    ledger.clone(),
+                    Rng(rng.next()),
+                    stop.clone(),
+                ))
+            })
+            .collect();
+        let alive = Duration::from_millis(100 + rng.below(1_400));
+        tokio::time::sleep(alive).await;
+        keel.kill()?;
+        stop.store(true, Ordering::SeqCst);
+        for actor in actors {
+            actor.await?;
+        }
+        let sent = lock(&ledger).len();
+        println!("kill {iteration}: after {alive:?}, {sent} prompts sent so far");
+        keel = Keel::start(binary, dir)?;
+    }
+
+    // Every prompt whose answer a kill swallowed is sent again with its id: Keel admits it
+    // once either way.
+    if !retry_unacknowledged(&keel.client, &ledger).await {
+        bail!("prompts could not be sent to the restarted server");
+    }
+    let settled = wait_until_idle(&keel.client, &sessions).await?;
+    let mut violations = Vec::new();
+    if !settled {
+        violations.push(format!(
+            "sessions were still busy or had pending input {SETTLE_TIMEOUT:?} after the last restart"
+        ));
+    }
+    let ledger = lock(&ledger).clone();
+    let executed = std::fs::read_to_string(&side_file).unwrap_or_default();
+    let mut runs: HashMap<&str, usize> = HashMap::new();
+    for call in executed.lines() {
+        *runs.entry(call).or_default() += 1;
+    }
+    let mut called = HashSet::new();
+    for &session in &sessions {
+        let log = read_log(&keel.client, session).await?;
+        check_session(session, &log, &ledger, &mut called, &mut violations);
+        let status = keel.client.session_status(session).await?;
+        if let Some(execution) = status.execution {
+            violations.push(format!("{session}: claim {} left behind", execution.id));
+        }
+    }
+    for (call, count) in &runs {
+        if *count > 1 {
+            violations.push(format!("bash call {call} ran {count} times"));
+        }
+        if !called.contains(*call) {
+            violations.push(format!(
+                "bash call {call} ran without a durable tool.called"
+            ));
+        }
+    }
+    keel.kill()?;
+    println!(
+        "{} kills, {} sessions, {} violations ({} prompts, {} bash runs)",
+        options.iterations,
+        sessions.len(),
+        violations.len(),
+        ledger.len(),
+        runs.len()
+    );
+    Ok(violations)
+}
+
+/// Sends again every prompt without an answer; true when all have one now.
+async fn retry_unacknowledged(client: &Client, ledger: &Ledger) -> bool {
+    let pending: Vec<(usize, Sent)> = lock(ledger)
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.acknowledged)
+        .map(|(i, s)| (i, s.clone()))
+        .collect();
+    let mut all = true;
+    for (index, sent) in pending {
+        match client.prompt(sent.session, &sent.request).await {
+            Ok(_) => lock(ledger)[index].acknowledged = true,
+            Err(e) => {
+                eprintln!("retrying a prompt failed: {e}");
+                all = false;
+            }
+        }
+    }
+    all
+}
+
+/// Polls until no session is busy or has pending input; false on timeout.
+async fn wait_until_idle(client: &Client, sessions: &[SessionId]) -> Result<bool> {
+    let started = Instant::now();
+    loop {
+        let mut idle = true;
+        for &session in sessions {
+            let status = client.session_status(session).await?;
+            idle &= !status.busy && status.pending_inputs == 0;
+        }
+        if idle {
+            return Ok(true);
+        }
+        if started.elapsed() > SETTLE_TIMEOUT {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn read_log(client: &Client, session: SessionId) -> Result<Vec<Envelope>> {
+    let options = LogOptions {
+        follow: false,
+        ..LogOptions::default()
+    };
+    let mut log = client.session_log_with(session, options);
+    let mut events = Vec::new();
+    while let Some(item) = log.next().await {
+        if let LogItem::Durable(envelope) = item? {
+            events.push(envelope);
+        }
+    }
+    Ok(events)
+}
+
+/// Checks one session's log against the invariants, adding what is wrong to `violations`
+/// and the bash calls it recorded to `called`.
+fn check_session(
+    session: SessionId,
+    log: &[Envelope],
+    ledger: &[Sent],
+    called: &mut HashSet<String>,
+    violations: &mut Vec<String>,
+) {
+    let mut fail = |what: String| violations.push(format!("{session}: {what}"));
+    for (i, envelope) in log.iter().enumerate() {
+        if envelope.seq != i as u64 + 1 {
+            fail(format!("seq {} where {} was next", envelope.seq, i + 1));
+            break;
+        }
+    }
+    let mut admitted = HashSet::new();
+    let mut ended: HashMap<InputId, usize> = HashMap::new();
+    let mut steps: HashMap<String, usize> = HashMap::new();
+    let mut stopped_early = HashSet::new();
+    let mut tools: HashMap<String, (String, usize)> = HashMap::new();
+    let mut executions: HashMap<String, usize> = HashMap::new();
+    for envelope in log {
+        match &envelope.event {
+            DurableEvent::PromptAdmitted(p) if !admitted.insert(p.input_id) => {
+                fail(format!("input {} admitted twice", p.input_id));
+            }
+            DurableEvent::Prompted(p) => *ended.entry(p.input_id).or_default() += 1,
+            DurableEvent::PromptCancelled(p) => *ended.entry(p.input_id).or_default() += 1,
+            DurableEvent::StepStarted(s) => {
+                steps.insert(s.assistant_message_id.to_string(), 0);
+            }
+            DurableEvent::StepEnded(s) => {
+                *steps.entry(s.assistant_message_id.to_string()).or_default() += 1;
+            }
+            DurableEvent::StepFailed(s) => {
+                *steps.entry(s.assistant_message_id.to_string()).or_default() += 1;
+            }
+            DurableEvent::StepInterrupted(s) => {
+                *steps.entry(s.assistant_message_id.to_string()).or_default() += 1;
+                stopped_early.insert(s.assistant_message_id.to_string());
+            }
+            DurableEvent::StepRecovered(s) => {
+                *steps.entry(s.assistant_message_id.to_string()).or_default() += 1;
+                stopped_early.insert(s.assistant_message_id.to_string());
+            }
+            DurableEvent::ToolCalled(c) => {
+                if c.name == "bash" {
+                    called.insert(c.call_id.to_string());
+                }
+                tools.insert(
+                    c.call_id.to_string(),
+                    (c.assistant_message_id.to_string(), 0),
+                );
+            }
+            DurableEvent::ToolSuccess(r) => {
+                if let Some((_, n)) = tools.get_mut(&r.call_id.to_string()) {
+                    *n += 1;
+                }
+            }
+            DurableEvent::ToolFailed(r) => {
+                if let Some((_, n)) = tools.get_mut(&r.call_id.to_string()) {
+                    *n += 1;
+                }
+            }
+            DurableEvent::ExecutionStarted(e) => {
+                executions.insert(e.execution_id.to_string(), 0);
+            }
+            DurableEvent::ExecutionSettled(e) => {
+                match executions.get_mut(&e.execution_id.to_string()) {
+                    Some(n) => *n += 1,
+                    None => fail(format!(
+                        "execution {} settled without starting",
+                        e.execution_id
+                    )),
+                }
+            }
+            _ => {}
+        }
+    }
+    for input in &admitted {
+        match ended.get(input).copied().unwrap_or(0) {
+            1 => {}
+            0 => fail(format!("input {input} was neither promoted nor cancelled")),
+            n => fail(format!("input {input} was promoted or cancelled {n} times")),
+        }
+    }
+    for sent in ledger.iter().filter(|s| s.session == session) {
+        let Some(id) = sent.request.id else { continue };
+        if !admitted.contains(&id) {
+            fail(format!("prompt {id} was sent but never admitted"));
+        }
+    }
+    for (step, n) in &steps {
+        if *n != 1 {
+            fail(format!("step {step} has {n} terminal events"));
+        }
+    }
+    for (call, (step, results)) in &tools {
+        match results {
+            1 => {}
+            0 if stopped_early.contains(step) => {}
+            0 => fail(format!("tool call {call} has no result")),
+            n => fail(format!("tool call {call} has {n} results")),
+        }
+    }
+    for (execution, n) in &executions {
+        if *n != 1 {
+            fail(format!("execution {execution} settled {n} times"));
+        }
+    }
+}
