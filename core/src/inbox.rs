@@ -195,6 +195,7 @@ pub struct Pending {
     pub id: InputId,
     pub kind: InputKind,
     pub delivery: Delivery,
+    pub source: InputSource,
 }
 
 /// What a boundary promotes.
@@ -208,7 +209,14 @@ pub enum Selection {
 }
 
 /// Chooses what `boundary` promotes from `pending` (in admission order).
+///
+/// A recovery continuation goes first and alone, at any boundary: the step it continues
+/// was cut short by a crash, and the inputs that waited behind it come after, by the
+/// ordinary rules.
 pub fn select(pending: &[Pending], boundary: Boundary) -> Selection {
+    if let Some(continuation) = pending.iter().find(|p| p.source == InputSource::Recovery) {
+        return Selection::Prompts(vec![continuation.id]);
+    }
     let steers: Vec<InputId> = pending
         .iter()
         .take_while(|p| !p.kind.is_control())
@@ -264,6 +272,7 @@ pub fn promote(
             id: input.id,
             kind: input.kind,
             delivery: input.delivery,
+            source: input.source,
         })
         .collect();
     match select(&view, boundary) {
@@ -333,7 +342,29 @@ mod tests {
             id: InputId::from_ulid(ulid::Ulid::from_parts(1, id)),
             kind,
             delivery,
+            source: InputSource::User,
         }
+    }
+
+    #[test]
+    fn a_recovery_continuation_goes_first_and_alone() {
+        let c1 = pending(1, InputKind::Compact, Delivery::Queue);
+        let s1 = pending(2, InputKind::Prompt, Delivery::Steer);
+        let r1 = Pending {
+            source: InputSource::Recovery,
+            ..pending(3, InputKind::Prompt, Delivery::Steer)
+        };
+        let s2 = pending(4, InputKind::Prompt, Delivery::Steer);
+        for boundary in [Boundary::Step, Boundary::Idle] {
+            assert_eq!(
+                select(&[c1, s1, r1, s2], boundary),
+                Selection::Prompts(vec![r1.id])
+            );
+        }
+        assert_eq!(
+            select(&[s1, s2], Boundary::Step),
+            Selection::Prompts(vec![s1.id, s2.id])
+        );
     }
 
     #[test]

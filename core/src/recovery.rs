@@ -39,6 +39,18 @@ use crate::runner::Runner;
 use crate::store::schema::{event, session_execution, session_input, session_message};
 use crate::store::{self, Conn, Store};
 
+/// The claim exactly as it was selected, still expired at `now`: what recovery may touch.
+macro_rules! selected {
+    ($candidate:expr, $now:expr) => {
+        session_execution::table
+            .filter(session_execution::id.eq(&$candidate.id))
+            .filter(session_execution::owner_id.eq(&$candidate.owner_id))
+            .filter(session_execution::expires_at.eq($candidate.expires_at))
+            .filter(session_execution::expires_at.le($now))
+            .filter(session_execution::recovery_error.is_null())
+    };
+}
+
 /// Claims examined per pass; the rest wait for the next pass.
 pub const BATCH_SIZE: i64 = 64;
 
@@ -159,15 +171,16 @@ pub async fn settle_abandoned(
             }
             Ok(Recovered::Moved) => {}
             Ok(Recovered::Quarantine(reason)) => {
-                quarantine(store, &candidate, &reason).await?;
+                tracing::error!(claim = %id, session = %candidate.session_id, %reason, "claim quarantined");
                 report.quarantined.push((id, reason));
             }
             Err(e) => {
                 // A row the database refuses to settle (a broken reference, say) must not
                 // hold the rest back; it is set aside with the reason.
                 let reason = format!("recovering failed: {e}");
-                quarantine(store, &candidate, &reason).await?;
-                report.quarantined.push((id, reason));
+                if quarantine(store, &candidate, &reason).await? {
+                    report.quarantined.push((id, reason));
+                }
             }
         }
     }
@@ -231,67 +244,53 @@ fn lost_wakes(connection: &mut Conn) -> Result<Vec<SessionId>, store::Error> {
         .collect()
 }
 
+/// Sets the selected claim aside after its recovery failed; false when the claim changed
+/// meanwhile (then it is not this pass's to judge).
 async fn quarantine(
     store: &Store,
     candidate: &Candidate,
     reason: &str,
-) -> Result<(), store::Error> {
+) -> Result<bool, store::Error> {
     tracing::error!(claim = %candidate.id, session = %candidate.session_id, %reason, "claim quarantined");
-    let (id, reason) = (candidate.id.clone(), reason.to_owned());
+    let (candidate, reason) = (candidate.clone(), reason.to_owned());
+    let clock = store.clock().clone();
     store
         .write(move |c| {
-            diesel::update(
-                session_execution::table
-                    .filter(session_execution::id.eq(id))
-                    .filter(session_execution::recovery_error.is_null()),
-            )
-            .set(session_execution::recovery_error.eq(reason))
-            .execute(c)
-            .map(|_| ())
-            .map_err(store::Error::from)
+            diesel::update(selected!(candidate, clock.now_ms()))
+                .set(session_execution::recovery_error.eq(reason))
+                .execute(c)
+                .map(|updated| updated == 1)
+                .map_err(store::Error::from)
         })
         .await
 }
 
-/// Validates and recovers one claim, in the caller's transaction.
+/// Validates and recovers one claim, in the caller's transaction. Everything it does is
+/// conditioned on the claim being exactly the one selected (the compare-and-set): a claim
+/// renewed, settled or replaced since is left alone, never quarantined or recovered.
 fn recover(
     connection: &mut Conn,
     now: i64,
     candidate: &Candidate,
 ) -> Result<Recovered, store::Error> {
-    let Ok(session) = candidate.session_id.parse::<SessionId>() else {
-        return Ok(Recovered::Quarantine(format!(
-            "session id `{}` is not valid",
-            candidate.session_id
-        )));
-    };
-    let Ok(execution) = candidate.id.parse::<ExecutionId>() else {
-        return Ok(Recovered::Quarantine(format!(
-            "execution id `{}` is not valid",
-            candidate.id
-        )));
-    };
-    if let Err(e) = parse_text::<Phase>("session_execution.phase", &candidate.phase) {
-        return Ok(Recovered::Quarantine(format!("unknown phase: {e}")));
+    let unchanged = selected!(candidate, now)
+        .count()
+        .get_result::<i64>(connection)?
+        == 1;
+    if !unchanged {
+        return Ok(Recovered::Moved);
     }
-    let open_step = match &candidate.assistant_message_id {
-        None => None,
-        Some(assistant) => match validate_assistant(connection, session, assistant)? {
-            Ok(step) => step,
-            Err(reason) => return Ok(Recovered::Quarantine(reason)),
-        },
+    let verdict = validate(connection, candidate)?;
+    let (session, execution, open_step) = match verdict {
+        Ok(valid) => valid,
+        Err(reason) => {
+            diesel::update(selected!(candidate, now))
+                .set(session_execution::recovery_error.eq(&reason))
+                .execute(connection)?;
+            return Ok(Recovered::Quarantine(reason));
+        }
     };
-
-    // The compare-and-set: exactly the claim that was selected, still expired.
-    let deleted = diesel::delete(
-        session_execution::table
-            .filter(session_execution::id.eq(&candidate.id))
-            .filter(session_execution::owner_id.eq(&candidate.owner_id))
-            .filter(session_execution::expires_at.eq(candidate.expires_at))
-            .filter(session_execution::expires_at.le(now))
-            .filter(session_execution::recovery_error.is_null()),
-    )
-    .execute(connection)?;
+    let deleted = diesel::delete(selected!(candidate, now)).execute(connection)?;
     if deleted != 1 {
         return Ok(Recovered::Moved);
     }
@@ -340,6 +339,32 @@ fn recover(
         .map_err(|e| store::Error::Corrupt(format!("admitting the continuation: {e}")))?;
     envelopes.extend(log::read(connection, session, before, u32::MAX)?);
     Ok(Recovered::Continued(session, envelopes))
+}
+
+/// A valid claim's session, execution and open step, or why the row cannot be trusted.
+type Verdict = Result<(SessionId, ExecutionId, Option<MessageId>), String>;
+
+fn validate(connection: &mut Conn, candidate: &Candidate) -> Result<Verdict, store::Error> {
+    let Ok(session) = candidate.session_id.parse::<SessionId>() else {
+        return Ok(Err(format!(
+            "session id `{}` is not valid",
+            candidate.session_id
+        )));
+    };
+    let Ok(execution) = candidate.id.parse::<ExecutionId>() else {
+        return Ok(Err(format!("execution id `{}` is not valid", candidate.id)));
+    };
+    if let Err(e) = parse_text::<Phase>("session_execution.phase", &candidate.phase) {
+        return Ok(Err(format!("unknown phase: {e}")));
+    }
+    let open_step = match &candidate.assistant_message_id {
+        None => None,
+        Some(assistant) => match validate_assistant(connection, session, assistant)? {
+            Ok(step) => step,
+            Err(reason) => return Ok(Err(reason)),
+        },
+    };
+    Ok(Ok((session, execution, open_step)))
 }
 
 /// Checks the claim's assistant message: it must be this session's and its latest. Returns
@@ -398,4 +423,159 @@ fn recoveries_in_a_row(connection: &mut Conn, session: SessionId) -> Result<usiz
                 .is_ok_and(|s| s.outcome == Outcome::Recovered)
         })
         .count())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The compare-and-set between selection and recovery: a claim that changed after a
+    //! pass selected it is neither recovered nor quarantined. (Whole passes are tested in
+    //! `core/tests/runner/recovery.rs`.)
+
+    use std::sync::Arc;
+
+    use keel_schema::types::ModelRef;
+
+    use super::*;
+    use crate::store::{DbUrl, Options};
+
+    const NOW: i64 = 1_764_690_000_000;
+
+    struct Fixture {
+        store: Store,
+        session: SessionId,
+        _dir: tempfile::TempDir,
+    }
+
+    /// A session with an expired claim of a dead owner, and a pass's selection of it.
+    async fn selected() -> (Fixture, Candidate) {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(crate::clock::ManualClock::new(NOW));
+        let options = Options {
+            clock,
+            ..Options::default()
+        };
+        let store = Store::open(DbUrl::Sqlite(dir.path().join("keel.db")), options)
+            .await
+            .unwrap();
+        let session = SessionId::new();
+        store
+            .write(move |c| {
+                log::append(
+                    c,
+                    NOW,
+                    session,
+                    vec![DurableEvent::Created(payload::Created {
+                        title: None,
+                        directory: "/".into(),
+                        agent: "build".into(),
+                        model: ModelRef {
+                            provider: "p".into(),
+                            id: "m".into(),
+                        },
+                        metadata: None,
+                    })],
+                )?;
+                claim(c, session, ExecutionId::new(), NOW - 1)
+            })
+            .await
+            .unwrap();
+        let mut candidates = store.read(|c| expired(c, NOW)).await.unwrap();
+        assert_eq!(candidates.len(), 1);
+        let fixture = Fixture {
+            store,
+            session,
+            _dir: dir,
+        };
+        (fixture, candidates.remove(0))
+    }
+
+    fn claim(
+        c: &mut Conn,
+        session: SessionId,
+        id: ExecutionId,
+        expires_at: i64,
+    ) -> Result<(), store::Error> {
+        diesel::insert_into(session_execution::table)
+            .values((
+                session_execution::id.eq(id.to_string()),
+                session_execution::session_id.eq(session.to_string()),
+                session_execution::owner_id.eq(keel_schema::id::OwnerId::new().to_string()),
+                session_execution::phase.eq("claimed"),
+                session_execution::time_created.eq(expires_at),
+                session_execution::expires_at.eq(expires_at),
+            ))
+            .execute(c)?;
+        Ok(())
+    }
+
+    /// Runs `change`, then recovers the stale selection; returns what recovery made of
+    /// it and the claims left, with their recovery errors.
+    async fn after(
+        change: impl FnOnce(&mut Conn) -> Result<(), store::Error> + Send + 'static,
+    ) -> (bool, Vec<(String, Option<String>)>, u64) {
+        let (fixture, candidate) = selected().await;
+        fixture.store.write(change).await.unwrap();
+        let moved = fixture
+            .store
+            .write(move |c| recover(c, NOW, &candidate))
+            .await
+            .map(|r| matches!(r, Recovered::Moved))
+            .unwrap();
+        let session = fixture.session;
+        let (claims, last) = fixture
+            .store
+            .read(move |c| {
+                let claims = session_execution::table
+                    .select((session_execution::id, session_execution::recovery_error))
+                    .load::<(String, Option<String>)>(c)?;
+                Ok::<_, store::Error>((claims, log::last_seq(c, session)?.unwrap_or(0)))
+            })
+            .await
+            .unwrap();
+        (moved, claims, last)
+    }
+
+    #[tokio::test]
+    async fn a_claim_renewed_after_selection_is_left_alone() {
+        let (moved, claims, last) = after(|c| {
+            diesel::update(session_execution::table)
+                .set(session_execution::expires_at.eq(NOW + 30_000))
+                .execute(c)?;
+            Ok(())
+        })
+        .await;
+        assert!(moved);
+        assert_eq!(claims.len(), 1);
+        assert_eq!(claims[0].1, None, "a live claim is never quarantined");
+        assert_eq!(last, 1, "nothing was appended");
+    }
+
+    #[tokio::test]
+    async fn a_claim_settled_after_selection_is_not_recovered() {
+        let (moved, claims, last) = after(|c| {
+            diesel::delete(session_execution::table).execute(c)?;
+            Ok(())
+        })
+        .await;
+        assert!(moved);
+        assert!(claims.is_empty());
+        assert_eq!(last, 1);
+    }
+
+    #[tokio::test]
+    async fn a_claim_replaced_after_selection_is_left_to_a_later_pass() {
+        let replacement = ExecutionId::new();
+        let (moved, claims, last) = after(move |c| {
+            let session: String = session_execution::table
+                .select(session_execution::session_id)
+                .first(c)?;
+            diesel::delete(session_execution::table).execute(c)?;
+            // Another owner took the session and died too: a new claim, also expired.
+            claim(c, session.parse().unwrap(), replacement, NOW - 1)
+        })
+        .await;
+        assert!(moved);
+        assert_eq!(claims, vec![(replacement.to_string(), None)]);
+        assert_eq!(last, 1);
+    }
 }

@@ -13,7 +13,7 @@ use keel_core::store;
 use keel_schema::api::{AssistantPart, Message, ToolStatus};
 use keel_schema::event::DurableEvent;
 use keel_schema::id::{ExecutionId, InputId, MessageId, OwnerId, SessionId};
-use keel_schema::types::{InputSource, Outcome};
+use keel_schema::types::{Delivery, InputSource, Outcome};
 use serde_json::json;
 
 use crate::support::{Harness, LEASE, Setup, call, script, text};
@@ -330,4 +330,63 @@ async fn a_session_abandoned_too_often_in_a_row_fails_instead_of_looping() {
         other => panic!("{other:?}"),
     }
     assert!(!h.claim_exists(session).await);
+}
+
+#[tokio::test]
+async fn the_continuation_is_promoted_alone_before_input_that_waited_behind_the_crash() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Continued.")],
+            vec![text("Now the steer.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let _paused = h.run_to_gate(session).await;
+    let steer = h.admit(session, "and also this", Delivery::Steer).await;
+    h.clock.advance(LEASE + 1);
+    let other = h.other_runner();
+    assert_eq!(
+        recovery::pass(&other).await.unwrap().recovered,
+        vec![session]
+    );
+    other.run(session).await.unwrap();
+
+    let log = h.log(session).await;
+    let promoted: Vec<(usize, InputId)> = log
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| match &e.event {
+            DurableEvent::Prompted(p) => Some((i, p.input_id)),
+            _ => None,
+        })
+        .collect();
+    let continuation = promoted
+        .iter()
+        .find(|(_, id)| *id != steer && log.iter().any(|e| matches!(
+            &e.event,
+            DurableEvent::PromptAdmitted(a) if a.input_id == *id && a.source == InputSource::Recovery
+        )))
+        .copied()
+        .expect("the continuation was promoted");
+    let steered = promoted
+        .iter()
+        .find(|(_, id)| *id == steer)
+        .copied()
+        .unwrap();
+    // A step ran on the continuation alone before the steer joined.
+    let between = &log[continuation.0..steered.0];
+    assert!(
+        between
+            .iter()
+            .any(|e| matches!(e.event, DurableEvent::StepStarted(_))),
+        "{:?}",
+        h.kinds(session).await
+    );
+    assert_eq!(
+        h.kinds(session).await.last().map(String::as_str),
+        Some("execution.settled")
+    );
 }
