@@ -12,12 +12,12 @@
 //!    alone and a live lease is never taken: `step.recovered` for the step that was
 //!    running (its projection fails the unresolved tool calls with
 //!    `tool.interrupted-by-crash`, so no write tool is run twice), `execution.settled
-//!    {outcome: recovered}`, deletion of the claim, and the admission of one continuation
-//!    input whose id derives from the dead execution's id, so a second pass can never
-//!    recover the same execution again;
+//!    {outcome: recovered}`, deletion of the claim, and, when a step was cut off, the
+//!    admission of one continuation input whose id derives from the dead execution's id,
+//!    so a second pass can never recover the same execution again;
 //! 4. wakes the recovered sessions, and redrives ordinary intent whose wake was lost:
 //!    sessions with inputs admitted with execution requested, still pending, and no
-//!    claim.
+//!    claim, one batch per pass from a cursor that wraps around ([`Recovery`]).
 //!
 //! A session recovered [`MAX_ATTEMPTS`] times in a row (no execution settling otherwise
 //! in between) is not continued again: its execution settles `failed` with
@@ -65,7 +65,7 @@ pub const CONTINUATION: &str = "Keel restarted while you were working. Tool call
 /// What one pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Report {
-    /// Sessions whose abandoned execution was settled and continued.
+    /// Sessions whose abandoned execution was settled; each is woken to go on.
     pub recovered: Vec<SessionId>,
     /// Sessions whose abandoned execution failed: too many recoveries in a row.
     pub exhausted: Vec<SessionId>,
@@ -105,8 +105,9 @@ enum Recovered {
 /// Runs a pass now and then every half lease until `shutdown`.
 pub async fn run(runner: Runner, lease_ms: i64, shutdown: CancellationToken) {
     let period = Duration::from_millis(u64::try_from(lease_ms / 2).unwrap_or(1).max(1));
+    let mut recovery = Recovery::default();
     loop {
-        match pass(&runner).await {
+        match recovery.pass(&runner).await {
             Ok(report) if !report.is_empty() => tracing::info!(
                 recovered = report.recovered.len(),
                 exhausted = report.exhausted.len(),
@@ -124,22 +125,36 @@ pub async fn run(runner: Runner, lease_ms: i64, shutdown: CancellationToken) {
     }
 }
 
-/// One pass: settle the abandoned executions of one batch and wake their sessions, then
-/// redrive lost wakes.
-pub async fn pass(runner: &Runner) -> Result<Report, store::Error> {
-    let store = runner.engine().store().clone();
-    let mut report = settle_abandoned(&store, |envelopes| runner.announce(envelopes)).await?;
-    for &session in &report.recovered {
-        runner.wake(session, Scope::Input);
-    }
-    let lost = store.read(lost_wakes).await?;
-    for session in lost {
-        if !runner.is_busy(session) {
+/// Recovery's state between passes: where the next redrive scan starts.
+#[derive(Debug, Default)]
+pub struct Recovery {
+    /// The last session the previous pass redrove. The next scan starts after it and
+    /// wraps around, so sessions whose wake keeps failing cannot starve the ones behind a
+    /// full batch. (Expired claims need no cursor: each one examined leaves the scan,
+    /// settled or quarantined.)
+    redrive_after: Option<String>,
+}
+
+impl Recovery {
+    /// One pass: settle the abandoned executions of one batch and wake their sessions,
+    /// then redrive one batch of lost wakes.
+    pub async fn pass(&mut self, runner: &Runner) -> Result<Report, store::Error> {
+        let store = runner.engine().store().clone();
+        let mut report = settle_abandoned(&store, |envelopes| runner.announce(envelopes)).await?;
+        for &session in &report.recovered {
             runner.wake(session, Scope::Input);
-            report.redriven.push(session);
         }
+        let after = self.redrive_after.clone();
+        let lost = store.read(move |c| lost_wakes(c, after.as_deref())).await?;
+        self.redrive_after = lost.last().map(ToString::to_string);
+        for session in lost {
+            if !runner.is_busy(session) {
+                runner.wake(session, Scope::Input);
+                report.redriven.push(session);
+            }
+        }
+        Ok(report)
     }
-    Ok(report)
 }
 
 /// The database half of a pass: validates one batch of expired claims, quarantines the
@@ -222,11 +237,34 @@ fn expired(connection: &mut Conn, now: i64) -> Result<Vec<Candidate>, store::Err
         .collect())
 }
 
-/// Sessions with an input admitted with execution requested, still pending, and no claim:
-/// their wake was lost (the process died between admission and wake, say).
-fn lost_wakes(connection: &mut Conn) -> Result<Vec<SessionId>, store::Error> {
+/// One batch of sessions with an input admitted with execution requested, still pending,
+/// and no claim: their wake was lost (the process died between admission and wake, say).
+/// In session id order, starting after `after` and wrapping around.
+fn lost_wakes(connection: &mut Conn, after: Option<&str>) -> Result<Vec<SessionId>, store::Error> {
+    let mut ids = lost_wakes_between(connection, after, None, BATCH_SIZE)?;
+    let missing = BATCH_SIZE - i64::try_from(ids.len()).unwrap_or(BATCH_SIZE);
+    if let Some(after) = after
+        && missing > 0
+    {
+        ids.extend(lost_wakes_between(connection, None, Some(after), missing)?);
+    }
+    ids.into_iter()
+        .map(|id| {
+            id.parse()
+                .map_err(|e| store::Error::Corrupt(format!("input session {id}: {e}")))
+        })
+        .collect()
+}
+
+/// Lost wakes with a session id in `(after, through]`, at most `limit`, in order.
+fn lost_wakes_between(
+    connection: &mut Conn,
+    after: Option<&str>,
+    through: Option<&str>,
+    limit: i64,
+) -> Result<Vec<String>, store::Error> {
     let claimed = session_execution::table.select(session_execution::session_id);
-    let ids: Vec<String> = session_input::table
+    let mut query = session_input::table
         .filter(session_input::execution_requested.eq(true))
         .filter(session_input::promoted_seq.is_null())
         .filter(session_input::cancelled_seq.is_null())
@@ -234,14 +272,15 @@ fn lost_wakes(connection: &mut Conn) -> Result<Vec<SessionId>, store::Error> {
         .select(session_input::session_id)
         .distinct()
         .order(session_input::session_id.asc())
-        .limit(BATCH_SIZE)
-        .load(connection)?;
-    ids.into_iter()
-        .map(|id| {
-            id.parse()
-                .map_err(|e| store::Error::Corrupt(format!("input session {id}: {e}")))
-        })
-        .collect()
+        .limit(limit)
+        .into_boxed();
+    if let Some(after) = after {
+        query = query.filter(session_input::session_id.gt(after.to_owned()));
+    }
+    if let Some(through) = through {
+        query = query.filter(session_input::session_id.le(through.to_owned()));
+    }
+    Ok(query.load(connection)?)
 }
 
 /// Sets the selected claim aside after its recovery failed; false when the claim changed
@@ -281,7 +320,7 @@ fn recover(
         return Ok(Recovered::Moved);
     }
     let verdict = validate(connection, candidate)?;
-    let (session, execution, open_step) = match verdict {
+    let (session, execution, phase, open_step) = match verdict {
         Ok(valid) => valid,
         Err(reason) => {
             diesel::update(selected!(candidate, now))
@@ -324,6 +363,9 @@ fn recover(
     if exhausted {
         return Ok(Recovered::Exhausted(session, envelopes));
     }
+    if !needs_continuation(phase, open_step) {
+        return Ok(Recovered::Continued(session, envelopes));
+    }
     let before = log::last_seq(connection, session)?.unwrap_or(0);
     let continuation = Admission {
         id: Some(InputId::from_ulid(execution.ulid())),
@@ -341,8 +383,19 @@ fn recover(
     Ok(Recovered::Continued(session, envelopes))
 }
 
-/// A valid claim's session, execution and open step, or why the row cannot be trusted.
-type Verdict = Result<(SessionId, ExecutionId, Option<MessageId>), String>;
+/// Whether the session needs a continuation input to go on after its execution was
+/// recovered: only a step that was cut off mid-way does. A claim that died before it ran
+/// a step (its promoted input, or input committed at the boundary, is still the last word
+/// and the ordinary wake answers it), between steps (a finished tool loop continues by
+/// itself), or while carrying out an interrupt (the user asked it to stop) gets none, so
+/// the model never sees a restart it was not part of.
+fn needs_continuation(phase: Phase, open_step: Option<MessageId>) -> bool {
+    open_step.is_some() && matches!(phase, Phase::Running | Phase::Compacting)
+}
+
+/// A valid claim's session, execution, phase and open step, or why the row cannot be
+/// trusted.
+type Verdict = Result<(SessionId, ExecutionId, Phase, Option<MessageId>), String>;
 
 fn validate(connection: &mut Conn, candidate: &Candidate) -> Result<Verdict, store::Error> {
     let Ok(session) = candidate.session_id.parse::<SessionId>() else {
@@ -354,9 +407,10 @@ fn validate(connection: &mut Conn, candidate: &Candidate) -> Result<Verdict, sto
     let Ok(execution) = candidate.id.parse::<ExecutionId>() else {
         return Ok(Err(format!("execution id `{}` is not valid", candidate.id)));
     };
-    if let Err(e) = parse_text::<Phase>("session_execution.phase", &candidate.phase) {
-        return Ok(Err(format!("unknown phase: {e}")));
-    }
+    let phase = match parse_text::<Phase>("session_execution.phase", &candidate.phase) {
+        Ok(phase) => phase,
+        Err(e) => return Ok(Err(format!("unknown phase: {e}"))),
+    };
     let open_step = match &candidate.assistant_message_id {
         None => None,
         Some(assistant) => match validate_assistant(connection, session, assistant)? {
@@ -364,7 +418,7 @@ fn validate(connection: &mut Conn, candidate: &Candidate) -> Result<Verdict, sto
             Err(reason) => return Ok(Err(reason)),
         },
     };
-    Ok(Ok((session, execution, open_step)))
+    Ok(Ok((session, execution, phase, open_step)))
 }
 
 /// Checks the claim's assistant message: it must be this session's and its latest. Returns
@@ -460,21 +514,7 @@ mod tests {
         let session = SessionId::new();
         store
             .write(move |c| {
-                log::append(
-                    c,
-                    NOW,
-                    session,
-                    vec![DurableEvent::Created(payload::Created {
-                        title: None,
-                        directory: "/".into(),
-                        agent: "build".into(),
-                        model: ModelRef {
-                            provider: "p".into(),
-                            id: "m".into(),
-                        },
-                        metadata: None,
-                    })],
-                )?;
+                create(c, session)?;
                 claim(c, session, ExecutionId::new(), NOW - 1)
             })
             .await
@@ -487,6 +527,25 @@ mod tests {
             _dir: dir,
         };
         (fixture, candidates.remove(0))
+    }
+
+    fn create(c: &mut Conn, session: SessionId) -> Result<(), store::Error> {
+        log::append(
+            c,
+            NOW,
+            session,
+            vec![DurableEvent::Created(payload::Created {
+                title: None,
+                directory: "/".into(),
+                agent: "build".into(),
+                model: ModelRef {
+                    provider: "p".into(),
+                    id: "m".into(),
+                },
+                metadata: None,
+            })],
+        )?;
+        Ok(())
     }
 
     fn claim(
@@ -577,5 +636,41 @@ mod tests {
         assert!(moved);
         assert_eq!(claims, vec![(replacement.to_string(), None)]);
         assert_eq!(last, 1);
+    }
+
+    #[tokio::test]
+    async fn redrive_reaches_lost_wakes_beyond_a_full_batch_and_wraps_around() {
+        let (fixture, _) = selected().await;
+        let count = usize::try_from(BATCH_SIZE).unwrap() + 1;
+        let mut sessions: Vec<SessionId> = (0..count).map(|_| SessionId::new()).collect();
+        let waiting = sessions.clone();
+        fixture
+            .store
+            .write(move |c| {
+                for session in waiting {
+                    create(c, session)?;
+                    let prompt = Admission::prompt(vec![Part::Text { text: "hi".into() }]);
+                    inbox::admit(c, NOW, session, prompt)
+                        .map_err(|e| store::Error::Corrupt(e.to_string()))?;
+                }
+                Ok::<_, store::Error>(())
+            })
+            .await
+            .unwrap();
+        sessions.sort_by_key(ToString::to_string);
+        let batch = usize::try_from(BATCH_SIZE).unwrap();
+
+        let first = fixture.store.read(|c| lost_wakes(c, None)).await.unwrap();
+        assert_eq!(first, sessions[..batch]);
+        // The session behind the full batch comes first on the next pass, then the scan
+        // wraps around to the start.
+        let after = first.last().unwrap().to_string();
+        let second = fixture
+            .store
+            .read(move |c| lost_wakes(c, Some(&after)))
+            .await
+            .unwrap();
+        assert_eq!(second[0], sessions[batch]);
+        assert_eq!(second[1..], sessions[..batch - 1]);
     }
 }

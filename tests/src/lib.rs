@@ -92,6 +92,21 @@ impl Server {
     /// again on the same database and directory. It listens on a new port.
     pub fn kill_and_restart(&mut self) {
         self.child.kill().expect("keel is killed");
+        self.restart();
+    }
+
+    /// Stops the server with SIGTERM (a graceful shutdown, which hands its claims back),
+    /// waits for it to exit, and starts it again on the same database and directory.
+    pub fn terminate_and_restart(&mut self) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid fits pid_t");
+        // SAFETY: kill(2) with a child's pid and a valid signal has no memory effects.
+        let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(sent, 0, "SIGTERM is sent to keel");
+        self.restart();
+    }
+
+    /// Reaps the stopped process and starts a new one; it listens on a new port.
+    fn restart(&mut self) {
         self.child.wait().expect("keel is reaped");
         let (child, base_url) = spawn(self._dir.path(), &self.args, &self.log);
         self.child = child;

@@ -7,7 +7,7 @@ use diesel::RunQueryDsl;
 use keel_core::clock::Clock;
 use keel_core::coordinator::RunError;
 use keel_core::execution;
-use keel_core::recovery::{self, BATCH_SIZE, CONTINUATION, MAX_ATTEMPTS};
+use keel_core::recovery::{self, BATCH_SIZE, CONTINUATION, MAX_ATTEMPTS, Recovery};
 use keel_core::runner::Error;
 use keel_core::store;
 use keel_schema::api::{AssistantPart, Message, ToolStatus};
@@ -71,7 +71,7 @@ async fn an_abandoned_execution_is_recovered_once_and_continued_by_another_owner
     // The first owner stops renewing (it is paused inside the tool); its lease runs out.
     h.clock.advance(LEASE + 1);
     let other = h.other_runner();
-    let report = recovery::pass(&other).await.unwrap();
+    let report = Recovery::default().pass(&other).await.unwrap();
     assert_eq!(report.recovered, vec![session]);
     assert!(report.quarantined.is_empty() && report.exhausted.is_empty());
     other.run(session).await.unwrap();
@@ -150,7 +150,7 @@ async fn an_abandoned_execution_is_recovered_once_and_continued_by_another_owner
     assert!(seen.contains(&CONTINUATION[..40]));
 
     // A second pass finds nothing: each abandoned execution is recovered once.
-    assert!(recovery::pass(&other).await.unwrap().is_empty());
+    assert!(Recovery::default().pass(&other).await.unwrap().is_empty());
 
     // The paused first owner wakes up and can write nothing.
     let before = h.kinds(session).await;
@@ -176,7 +176,7 @@ async fn a_live_lease_is_never_recovered() {
     let run = h.run_to_gate(session).await;
     h.clock.advance(LEASE - 1);
     let other = h.other_runner();
-    assert!(recovery::pass(&other).await.unwrap().is_empty());
+    assert!(Recovery::default().pass(&other).await.unwrap().is_empty());
     assert!(
         !h.kinds(session)
             .await
@@ -191,13 +191,19 @@ async fn a_lost_wake_is_redriven() {
     let h = Harness::new(Setup::default()).await;
     // Admitted with execution requested, but nothing woke the session.
     let session = h.prompted("hello").await;
-    let report = recovery::pass(&h.runner).await.unwrap();
+    let report = Recovery::default().pass(&h.runner).await.unwrap();
     assert_eq!(report.redriven, vec![session]);
     h.runner.run(session).await.unwrap();
     let kinds = h.kinds(session).await;
     assert_eq!(kinds.last().unwrap(), "execution.settled");
     assert!(kinds.contains(&"step.ended".to_owned()));
-    assert!(recovery::pass(&h.runner).await.unwrap().is_empty());
+    assert!(
+        Recovery::default()
+            .pass(&h.runner)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -227,13 +233,13 @@ async fn poison_claims_are_quarantined_and_valid_work_behind_a_full_batch_still_
     let valid = h.prompted("recover me").await;
     abandon(&h, valid, None, "claimed", now - 1).await;
 
-    let first = recovery::pass(&h.runner).await.unwrap();
+    let first = Recovery::default().pass(&h.runner).await.unwrap();
     assert_eq!(
         first.quarantined.len(),
         usize::try_from(BATCH_SIZE).unwrap()
     );
     assert!(first.recovered.is_empty());
-    let second = recovery::pass(&h.runner).await.unwrap();
+    let second = Recovery::default().pass(&h.runner).await.unwrap();
     assert_eq!(second.quarantined.len(), 1);
     assert_eq!(second.recovered, vec![valid]);
     h.runner.run(valid).await.unwrap();
@@ -251,7 +257,13 @@ async fn poison_claims_are_quarantined_and_valid_work_behind_a_full_batch_still_
         );
     }
     // Quarantined rows are not examined again.
-    assert!(recovery::pass(&h.runner).await.unwrap().is_empty());
+    assert!(
+        Recovery::default()
+            .pass(&h.runner)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -295,7 +307,7 @@ async fn an_unknown_phase_or_a_superseded_assistant_is_quarantined() {
         .await
         .unwrap();
 
-    let report = recovery::pass(&h.runner).await.unwrap();
+    let report = Recovery::default().pass(&h.runner).await.unwrap();
     assert_eq!(report.quarantined.len(), 2, "{report:?}");
     let superseded = recovery_error(&h, session).await.unwrap();
     assert!(superseded.contains("superseded"), "{superseded}");
@@ -349,7 +361,7 @@ async fn the_continuation_is_promoted_alone_before_input_that_waited_behind_the_
     h.clock.advance(LEASE + 1);
     let other = h.other_runner();
     assert_eq!(
-        recovery::pass(&other).await.unwrap().recovered,
+        Recovery::default().pass(&other).await.unwrap().recovered,
         vec![session]
     );
     other.run(session).await.unwrap();
@@ -389,4 +401,94 @@ async fn the_continuation_is_promoted_alone_before_input_that_waited_behind_the_
         h.kinds(session).await.last().map(String::as_str),
         Some("execution.settled")
     );
+}
+
+#[tokio::test]
+async fn a_claim_that_died_before_its_first_step_is_released_without_a_continuation() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.prompted("first").await;
+    // The owner claimed the session and died before promoting anything; another prompt
+    // commits at that boundary.
+    abandon(&h, session, None, "claimed", h.clock.now_ms() - 1).await;
+    h.admit(session, "second", Delivery::Queue).await;
+
+    let other = h.other_runner();
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    other.run(session).await.unwrap();
+
+    let log = h.log(session).await;
+    assert!(!log.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::PromptAdmitted(p) if p.source == InputSource::Recovery
+    )));
+    assert!(
+        !log.iter()
+            .any(|e| matches!(e.event, DurableEvent::StepRecovered(_)))
+    );
+    let prompted = log
+        .iter()
+        .filter(|e| matches!(e.event, DurableEvent::Prompted(_)))
+        .count();
+    assert_eq!(prompted, 2, "both prompts are answered as ordinary work");
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert!(
+        requests
+            .iter()
+            .all(|r| !format!("{r:?}").contains(&CONTINUATION[..40])),
+        "the model never hears of a restart it was not part of"
+    );
+    assert_eq!(
+        h.kinds(session).await.last().map(String::as_str),
+        Some("execution.settled")
+    );
+    assert!(!h.claim_exists(session).await);
+}
+
+#[tokio::test]
+async fn an_execution_abandoned_while_cancelling_is_settled_and_not_continued() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Must not run.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let _paused = h.run_to_gate(session).await;
+    // The owner was carrying out an interrupt when it died.
+    h.store
+        .write(move |c| {
+            diesel::sql_query(format!(
+                "UPDATE session_execution SET phase = 'cancelling' WHERE session_id = '{session}'"
+            ))
+            .execute(c)
+            .map(|_| ())
+            .map_err(store::Error::from)
+        })
+        .await
+        .unwrap();
+    h.clock.advance(LEASE + 1);
+
+    let other = h.other_runner();
+    assert_eq!(
+        Recovery::default().pass(&other).await.unwrap().recovered,
+        vec![session]
+    );
+    other.run(session).await.unwrap();
+    let kinds = h.kinds(session).await;
+    let from = kinds.iter().position(|k| k == "step.recovered").unwrap();
+    assert_eq!(
+        kinds[from..from + 2],
+        ["step.recovered", "execution.settled"]
+    );
+    assert!(
+        !kinds[from..]
+            .iter()
+            .any(|k| k == "prompt.admitted" || k == "step.started"),
+        "{kinds:?}"
+    );
+    assert_eq!(h.recording.requests.lock().unwrap().len(), 1);
+    assert!(!h.claim_exists(session).await);
 }

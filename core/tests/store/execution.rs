@@ -46,6 +46,7 @@ backend_tests!(
     acquisition_never_replaces_an_expired_claim,
     the_fence_requires_the_exact_claim_and_an_unexpired_lease,
     a_fenced_write_after_ownership_is_lost_rolls_back_entirely,
+    a_failed_write_behind_the_fence_rolls_back_the_renewal,
     renewal_extends_every_live_lease_of_an_owner_in_one_statement,
     release_deletes_the_claim_together_with_execution_settled,
     the_phase_column_refuses_unknown_phases,
@@ -156,6 +157,45 @@ async fn a_fenced_write_after_ownership_is_lost_rolls_back_entirely(db: TestDb) 
             .await
             .unwrap()
             .is_some()
+    );
+}
+
+async fn a_failed_write_behind_the_fence_rolls_back_the_renewal(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let claim = acquire(&store, session, OwnerId::new()).await.unwrap();
+    let before = store.last_seq(session).await.unwrap();
+    db.clock.advance(10_000);
+    let clock = store.clock().clone();
+    let err = store
+        .write(move |c| {
+            let now = clock.now_ms();
+            execution::fenced(c, now, LEASE, &claim, |c| {
+                keel_core::event::log::append(
+                    c,
+                    now,
+                    claim.session_id,
+                    vec![DurableEvent::Renamed(payload::Renamed {
+                        title: "half done".into(),
+                    })],
+                )
+                .map_err(Error::from)?;
+                Err::<(), _>(Error::Store("the write behind the fence failed".into()))
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert_eq!(store.last_seq(session).await.unwrap(), before);
+    let row = store
+        .read(move |c| execution::get(c, session))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        row.expires_at,
+        T0 + LEASE,
+        "the renewal was rolled back too"
     );
 }
 
