@@ -3,8 +3,12 @@
 //! ```toml
 //! default_model = "demo/scripted"
 //! [provider.demo]
-//! kind = "scripted"              # scripted today; openai and anthropic are being built
+//! kind = "scripted"              # scripted, openai (any compatible server), anthropic
 //! script = "script.json"         # optional; the built-in demo script otherwise
+//! [provider.local]
+//! kind = "openai"
+//! base_url = "http://127.0.0.1:8080/v1"   # optional; OpenAI's endpoint otherwise
+//! api_key_env = "LOCAL_KEY"      # optional; OPENAI_API_KEY otherwise, none for a base_url
 //! [model."demo/scripted"]
 //! context = 128000
 //! output = 8192
@@ -24,8 +28,10 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::provider::Provider;
+use crate::provider::anthropic::Anthropic;
+use crate::provider::openai::OpenAi;
 use crate::provider::scripted::Scripted;
-use crate::runner::{Agent, Policy};
+use crate::runner::{Agent, ModelLimits, Policy};
 
 /// What can be wrong with the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -46,12 +52,36 @@ pub enum Error {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProviderConfig {
-    /// `scripted` (built); `openai` and `anthropic` are recognised but not built yet.
+    /// `scripted`, `openai` (any OpenAI-compatible server) or `anthropic`.
     pub kind: String,
     pub base_url: Option<String>,
     pub api_key_env: Option<String>,
     /// For `scripted`: a JSON script file, relative to the config file.
     pub script: Option<PathBuf>,
+}
+
+impl ProviderConfig {
+    /// The provider's key: from the variable `api_key_env` names, else from the kind's
+    /// usual variable (`default_env`). A provider at its vendor's endpoint needs one; a
+    /// provider with a `base_url` (a local server, say) may go without.
+    fn api_key(&self, name: &str, default_env: &str) -> Result<Option<String>, Error> {
+        let read = |var: &str| std::env::var(var).ok().filter(|v| !v.trim().is_empty());
+        if let Some(var) = &self.api_key_env {
+            return read(var).map(Some).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "provider `{name}`: api_key_env names `{var}`, which is not set"
+                ))
+            });
+        }
+        match (read(default_env), &self.base_url) {
+            (Some(key), _) => Ok(Some(key)),
+            (None, Some(_)) => Ok(None),
+            (None, None) => Err(Error::Invalid(format!(
+                "provider `{name}` needs an API key: set {default_env}, or name another \
+                 variable with api_key_env"
+            ))),
+        }
+    }
 }
 
 /// A model's limits.
@@ -169,12 +199,14 @@ impl Config {
                         })?)
                     }
                 },
-                kind @ ("openai" | "anthropic") => {
-                    return Err(Error::Invalid(format!(
-                        "provider `{name}`: the `{kind}` adapter is not built yet in this keel; \
-                         use kind = \"scripted\""
-                    )));
-                }
+                "openai" => Arc::new(OpenAi::new(
+                    provider.base_url.clone(),
+                    provider.api_key(name, "OPENAI_API_KEY")?,
+                )),
+                "anthropic" => Arc::new(Anthropic::new(
+                    provider.base_url.clone(),
+                    provider.api_key(name, "ANTHROPIC_API_KEY")?,
+                )),
                 other => {
                     return Err(Error::Invalid(format!(
                         "provider `{name}` has unknown kind `{other}` (scripted, openai, anthropic)"
@@ -184,6 +216,20 @@ impl Config {
             built.insert(name.clone(), adapter);
         }
         Ok(built)
+    }
+
+    /// The configured model limits, by `provider/id`.
+    pub fn models(&self) -> HashMap<String, ModelLimits> {
+        self.model
+            .iter()
+            .map(|(name, m)| {
+                let limits = ModelLimits {
+                    context: m.context,
+                    output: m.output,
+                };
+                (name.clone(), limits)
+            })
+            .collect()
     }
 
     /// The agents, with `build` always present.
@@ -255,9 +301,22 @@ mod tests {
         assert!(unknown.contains("unknown field `foo`"), "{unknown}");
         let missing = Config::parse("default_model = \"x/y\"").unwrap_err();
         assert!(missing.contains("[provider.x]"), "{missing}");
-        let config =
-            Config::parse("default_model = \"o/m\"\n[provider.o]\nkind = \"openai\"").unwrap();
+        let config = Config::parse(
+            "default_model = \"o/m\"\n[provider.o]\nkind = \"openai\"\n\
+             api_key_env = \"KEEL_TEST_VARIABLE_THAT_IS_NOT_SET\"",
+        )
+        .unwrap();
         let err = config.providers().err().unwrap().to_string();
-        assert!(err.contains("not built yet"), "{err}");
+        assert!(err.contains("KEEL_TEST_VARIABLE_THAT_IS_NOT_SET"), "{err}");
+    }
+
+    #[test]
+    fn a_compatible_server_needs_no_key() {
+        let config = Config::parse(
+            "default_model = \"local/llama\"\n[provider.local]\nkind = \"openai\"\n\
+             base_url = \"http://127.0.0.1:8080/v1\"",
+        )
+        .unwrap();
+        assert!(config.providers().unwrap().contains_key("local"));
     }
 }

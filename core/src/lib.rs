@@ -7,8 +7,10 @@
 //! - [`inbox`]: admission of inputs and their promotion into the transcript.
 //! - [`tool`]: the tools the model can call, confined to the session directory.
 //! - [`clock`]: injectable time.
+//! - [`cluster`]: several nodes on one database: the node table, LISTEN/NOTIFY.
 
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod coordinator;
 pub mod event;

@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use keel_core::clock::{Clock, SystemClock};
+use keel_core::cluster::{self, Bus};
 use keel_core::config::Config;
 use keel_core::execution;
 use keel_core::runner::{Runner, Settings};
@@ -153,6 +154,8 @@ async fn run(serve: Serve) -> Result<()> {
             providers: config.providers()?,
             tools: tool::builtins(),
             limits: tool::Limits::default(),
+            retry: keel_core::runner::RetryPolicy::default(),
+            models: config.models(),
         },
     );
     let shutdown = CancellationToken::new();
@@ -168,6 +171,26 @@ async fn run(serve: Serve) -> Result<()> {
         serve.lease_ms,
         shutdown.clone(),
     ));
+    let registered = tokio::spawn(cluster::keep_registered(
+        store.clone(),
+        cluster::NodeInfo::this_process(owner, SystemClock.now_ms()),
+        serve.lease_ms,
+        shutdown.clone(),
+    ));
+    // On PostgreSQL the nodes share wakes and commits through LISTEN/NOTIFY.
+    let bus = match &url {
+        DbUrl::Postgres(address) => {
+            let bus = Bus::start(
+                address.clone(),
+                runner.clone(),
+                store.clone(),
+                shutdown.clone(),
+            );
+            runner.route_through(Arc::new(bus.clone()));
+            Some(bus)
+        }
+        DbUrl::Sqlite(_) => None,
+    };
     let listener = tokio::net::TcpListener::bind(serve.listen)
         .await
         .with_context(|| format!("binding {}", serve.listen))?;
@@ -179,6 +202,8 @@ async fn run(serve: Serve) -> Result<()> {
         token: serve.token,
         heartbeat: Duration::from_millis(serve.heartbeat_ms),
         started_at: SystemClock.now_ms(),
+        lease_ms: serve.lease_ms,
+        bus,
     });
     let app = server::router(
         state,
@@ -205,6 +230,9 @@ async fn run(serve: Serve) -> Result<()> {
     }
     renewing.abort();
     recovering.abort();
+    // The node leaves the list (bounded: a database that does not answer must not hold
+    // the shutdown).
+    drop(tokio::time::timeout(Duration::from_secs(2), registered).await);
     // Hand the claims back at once, so a restarted keel recovers them without waiting.
     let expired = store
         .write(move |c| execution::expire_all(c, SystemClock.now_ms(), owner))

@@ -175,7 +175,8 @@ pub struct PromptResponse {
 /// Response to `POST /api/session/{id}/interrupt`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct InterruptResponse {
-    /// False when the session was idle or already stopping.
+    /// True when this node interrupted the execution, or sent the interrupt to the node
+    /// running it; false when the session was idle or already stopping.
     pub interrupted: bool,
 }
 
@@ -229,6 +230,10 @@ pub enum AssistantPart {
         content: Vec<ToolContent>,
         /// Why a call failed.
         error: Option<ErrorInfo>,
+        /// The provider's own record of a call it ran itself (a hosted tool's result
+        /// block), replayed to it on later turns.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        provider_result: Option<Value>,
     },
 }
 

@@ -1,15 +1,24 @@
 //! keel-tests: end-to-end tests of Keel as users run it: the real `keel` binary, the
 //! real client, real files. Helpers shared by the tests live here.
 
+pub mod fake_provider;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
+
+use fake_provider::Canned;
 
 /// The workspace root.
 pub fn workspace_root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("keel-tests lives one directory below the workspace root")
+}
+
+/// A recorded provider transcript from `tests/fixtures/providers/` (`openai/text.http`).
+pub fn transcript(name: &str) -> Canned {
+    Canned::file(&workspace_root().join("tests/fixtures/providers").join(name))
 }
 
 /// The `keel` binary of this checkout, built (once per test process) with the same cargo
@@ -57,6 +66,8 @@ fn build(target: &[&str], name: &str) -> PathBuf {
 pub struct Server {
     pub base_url: String,
     child: std::process::Child,
+    /// The `--db` URL.
+    db: String,
     args: Vec<String>,
     /// Everything the server wrote to stderr so far (its log), across restarts.
     log: Arc<Mutex<String>>,
@@ -72,20 +83,45 @@ impl Server {
     /// Writes `files` (name, content) into the server's directory, then starts it with
     /// `args` added: e.g. a `keel.toml` and `--config keel.toml`.
     pub fn start_with(files: &[(&str, &str)], args: &[&str]) -> Self {
+        Self::start_on(None, files, args)
+    }
+
+    /// Like [`Server::start_with`], on the database `db` (a `postgres://` URL shared by
+    /// several servers, say) instead of a SQLite file of its own.
+    pub fn start_on(db: Option<&str>, files: &[(&str, &str)], args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         for (name, content) in files {
             std::fs::write(dir.path().join(name), content).expect("a test file is written");
         }
+        let db = db.map_or_else(
+            || format!("sqlite://{}", dir.path().join("keel.db").display()),
+            str::to_owned,
+        );
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let log = Arc::new(Mutex::new(String::new()));
-        let (child, base_url) = spawn(dir.path(), &args, &log);
+        let (child, base_url) = spawn(dir.path(), &db, &args, &log);
         Self {
             base_url,
             child,
+            db,
             args,
             log,
             _dir: dir,
         }
+    }
+
+    /// Sends `signal` to the server process.
+    pub fn signal(&self, signal: libc::c_int) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid fits pid_t");
+        // SAFETY: kill(2) with a child's pid and a valid signal has no memory effects.
+        let sent = unsafe { libc::kill(pid, signal) };
+        assert_eq!(sent, 0, "signal {signal} is sent to keel");
+    }
+
+    /// Kills the server with SIGKILL and reaps it, for good.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("keel is killed");
+        self.child.wait().expect("keel is reaped");
     }
 
     /// Kills the server with SIGKILL (no shutdown, leases left to run out) and starts it
@@ -98,17 +134,14 @@ impl Server {
     /// Stops the server with SIGTERM (a graceful shutdown, which hands its claims back),
     /// waits for it to exit, and starts it again on the same database and directory.
     pub fn terminate_and_restart(&mut self) {
-        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid fits pid_t");
-        // SAFETY: kill(2) with a child's pid and a valid signal has no memory effects.
-        let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
-        assert_eq!(sent, 0, "SIGTERM is sent to keel");
+        self.signal(libc::SIGTERM);
         self.restart();
     }
 
     /// Reaps the stopped process and starts a new one; it listens on a new port.
     fn restart(&mut self) {
         self.child.wait().expect("keel is reaped");
-        let (child, base_url) = spawn(self._dir.path(), &self.args, &self.log);
+        let (child, base_url) = spawn(self._dir.path(), &self.db, &self.args, &self.log);
         self.child = child;
         self.base_url = base_url;
     }
@@ -133,13 +166,17 @@ impl Drop for Server {
     }
 }
 
-/// Starts `keel serve` in `dir` on its `keel.db`, appending its stderr to `log`, and waits
-/// until it listens.
-fn spawn(dir: &Path, args: &[String], log: &Arc<Mutex<String>>) -> (std::process::Child, String) {
+/// Starts `keel serve` in `dir` on the database `db`, appending its stderr to `log`, and
+/// waits until it listens.
+fn spawn(
+    dir: &Path,
+    db: &str,
+    args: &[String],
+    log: &Arc<Mutex<String>>,
+) -> (std::process::Child, String) {
     use std::io::{BufRead, BufReader};
-    let db = format!("sqlite://{}", dir.join("keel.db").display());
     let mut child = Command::new(keel_binary())
-        .args(["serve", "--listen", "127.0.0.1:0", "--db", &db])
+        .args(["serve", "--listen", "127.0.0.1:0", "--db", db])
         .args(args)
         .current_dir(dir)
         .env_remove("KEEL_TOKEN")
@@ -172,4 +209,63 @@ fn spawn(dir: &Path, args: &[String], log: &Arc<Mutex<String>>) -> (std::process
         .unwrap_or_else(|| panic!("no address in {line:?}"))
         .to_owned();
     (child, base_url)
+}
+
+/// The variable naming the PostgreSQL server the tests may use.
+pub const POSTGRES_ENV: &str = "KEEL_TEST_POSTGRES_URL";
+
+/// A fresh database on the PostgreSQL server named by [`POSTGRES_ENV`], dropped with this
+/// value.
+pub struct PostgresDb {
+    /// The database's URL.
+    pub url: String,
+    base: String,
+    name: String,
+}
+
+impl PostgresDb {
+    /// A new database, or `None` (saying so) when [`POSTGRES_ENV`] is not set. In CI
+    /// (`CI=true`) a missing server is a failure, never a skip.
+    pub fn fresh(test: &str) -> Option<Self> {
+        use diesel::{Connection, RunQueryDsl};
+        let Ok(base) = std::env::var(POSTGRES_ENV) else {
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("{POSTGRES_ENV} must be set in CI: the PostgreSQL tests may not be skipped");
+            }
+            eprintln!("{test}: SKIPPED (set {POSTGRES_ENV} to run the PostgreSQL tests)");
+            return None;
+        };
+        let name = format!(
+            "keel_e2e_{}",
+            ulid::Ulid::generate().to_string().to_lowercase()
+        );
+        let mut admin = diesel::PgConnection::establish(&base)
+            .unwrap_or_else(|e| panic!("connecting to {POSTGRES_ENV}={base}: {e}"));
+        diesel::sql_query(format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .unwrap_or_else(|e| panic!("creating database {name}: {e}"));
+        let (prefix, _) = base
+            .rsplit_once('/')
+            .unwrap_or_else(|| panic!("{POSTGRES_ENV}={base} has no database path"));
+        Some(Self {
+            url: format!("{prefix}/{name}"),
+            base,
+            name,
+        })
+    }
+}
+
+impl Drop for PostgresDb {
+    fn drop(&mut self) {
+        use diesel::{Connection, RunQueryDsl};
+        match diesel::PgConnection::establish(&self.base) {
+            Ok(mut admin) => {
+                let drop_it = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+                if let Err(e) = diesel::sql_query(drop_it).execute(&mut admin) {
+                    eprintln!("dropping test database {}: {e}", self.name);
+                }
+            }
+            Err(e) => eprintln!("dropping test database {}: {e}", self.name),
+        }
+    }
 }

@@ -255,6 +255,17 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Pending inputs a session may have before clients stop prompting it.
+const MAX_BACKLOG: u32 = 8;
+
+/// The session's pending inputs; none while the server cannot answer.
+async fn backlog(client: &Client, session: SessionId) -> u32 {
+    client
+        .session_status(session)
+        .await
+        .map_or(0, |status| status.pending_inputs)
+}
+
 /// Clients acting on the sessions until `stop`: prompts (queued or steering) and
 /// interrupts, a few milliseconds apart.
 async fn act(
@@ -267,6 +278,9 @@ async fn act(
     while !stop.load(Ordering::SeqCst) {
         let session = sessions[rng.below(sessions.len() as u64) as usize];
         match rng.below(10) {
+            // Clients wait for the session to catch up, so the backlog (and the final
+            // wait for idle) stays bounded however long the campaign runs.
+            0..=5 if backlog(&client, session).await >= MAX_BACKLOG => {}
             0..=5 => {
                 let delivery = if rng.below(3) == 0 {
                     Delivery::Steer

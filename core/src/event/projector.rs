@@ -515,6 +515,7 @@ impl Projection<'_> {
                 status: ToolStatus::Pending,
                 content: Vec::new(),
                 error: None,
+                provider_result: None,
             },
         )?;
         diesel::insert_into(session_tool::table)
@@ -558,6 +559,7 @@ impl Projection<'_> {
                 status: ToolStatus::Running,
                 content: Vec::new(),
                 error: None,
+                provider_result: None,
             };
             match view.tool_part(call_id) {
                 Some(part) if streamed => *part = called,
@@ -633,13 +635,17 @@ impl Projection<'_> {
                 status,
                 content,
                 error,
+                provider_result,
                 ..
             } = part
             {
                 match output {
-                    ToolOutput::Success { content: c, .. } => {
+                    ToolOutput::Success {
+                        content: c, result, ..
+                    } => {
                         *status = ToolStatus::Completed;
                         *content = c;
+                        *provider_result = result;
                     }
                     ToolOutput::Failure { error: e } => {
                         *status = ToolStatus::Error;

@@ -3,9 +3,14 @@
 //! [`Provider::stream`] takes a [`Request`] (system prompt, transcript turns, tool
 //! definitions, limits) and yields [`Event`]s: fragments of text and reasoning, streamed
 //! tool input, tool calls, results of tools the provider ran itself, and one finish with
-//! usage; or a typed [`Error`]. Adapters: [`scripted`] (a JSON script; tests, benches and
-//! the built-in demo model).
+//! usage; or a typed [`Error`]. Adapters: [`anthropic`] (Anthropic's Messages API),
+//! [`openai`] (OpenAI-compatible Chat Completions), [`scripted`] (a JSON script; tests,
+//! benches and the built-in demo model).
+//! [`http`] holds what the HTTP adapters share.
 
+pub mod anthropic;
+pub mod http;
+pub mod openai;
 pub mod scripted;
 
 use std::pin::Pin;
@@ -54,7 +59,8 @@ pub enum AssistantItem {
         metadata: Option<Value>,
     },
     ToolCall {
-        /// The provider's id for the call when it gave one, else Keel's.
+        /// Keel's id for the call: consistent between a call and its result, which is
+        /// all the providers ask of a replayed id.
         id: String,
         name: String,
         input: Value,
@@ -68,6 +74,8 @@ pub struct ToolResult {
     pub id: String,
     pub name: String,
     pub output: Result<Vec<ToolContent>, ErrorInfo>,
+    /// For a call the provider ran itself: its raw result, as the provider sent it.
+    pub provider_result: Option<Value>,
 }
 
 /// A model request.
@@ -162,6 +170,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether sending the request again may succeed: rate limits, server errors,
+    /// transport failures and streams cut short. (Only before visible output: the runner
+    /// decides that.) Overflow, auth and bad requests fail the same way every time.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::RateLimit { .. }
+                | Self::Server { .. }
+                | Self::TransportBeforeSend(_)
+                | Self::TransportAfterSend(_)
+                | Self::Incomplete(_)
+        )
+    }
+
     /// The error as recorded in `step.failed` and `retry.scheduled`.
     pub fn info(&self) -> ErrorInfo {
         let kind = match self {

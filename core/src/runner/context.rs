@@ -3,18 +3,40 @@
 //! The transcript is the session's messages in seq order: user messages, synthetic
 //! notices (sent as user text), assistant messages (text, reasoning with its provider
 //! metadata, tool calls) each followed by exactly one result per call, and, after a
-//! compaction, the summary in place of everything before it. A request never holds a
+//! compaction, the summary in place of everything before its boundary. A request never holds a
 //! call without its result: calls are settled before any continuation is sent.
 
 use keel_schema::api::{AssistantPart, Message, ToolStatus};
 use keel_schema::types::{ErrorInfo, Part};
 
+use super::compaction::message_seq;
 use crate::provider::{AssistantItem, ToolResult, Turn};
 
-/// The turns of a transcript.
+/// The turns of a transcript. The latest summary stands for every message before its
+/// boundary: it comes first, followed by the messages from the boundary on.
 pub fn turns(messages: &[Message]) -> Vec<Turn> {
+    let latest_summary = messages.iter().rev().find_map(|m| match m {
+        Message::Summary {
+            boundary_seq,
+            summary,
+            ..
+        } => Some((*boundary_seq, summary)),
+        _ => None,
+    });
     let mut turns = Vec::new();
-    for message in messages {
+    let mut kept: Vec<&Message> = messages
+        .iter()
+        .filter(|m| !matches!(m, Message::Summary { .. }))
+        .collect();
+    if let Some((boundary, summary)) = latest_summary {
+        kept.retain(|m| message_seq(m) >= boundary);
+        turns.push(Turn::User {
+            parts: vec![Part::Text {
+                text: format!("Summary of the conversation so far:\n{summary}"),
+            }],
+        });
+    }
+    for message in kept {
         match message {
             Message::User { parts, .. } => turns.push(Turn::User {
                 parts: parts.clone(),
@@ -22,14 +44,7 @@ pub fn turns(messages: &[Message]) -> Vec<Turn> {
             Message::Synthetic { text, .. } => turns.push(Turn::User {
                 parts: vec![Part::Text { text: text.clone() }],
             }),
-            Message::Summary { summary, .. } => {
-                turns.clear();
-                turns.push(Turn::User {
-                    parts: vec![Part::Text {
-                        text: format!("Summary of the conversation so far:\n{summary}"),
-                    }],
-                });
-            }
+            Message::Summary { .. } => {}
             Message::Assistant { parts, .. } => {
                 let mut items = Vec::new();
                 let mut results = Vec::new();
@@ -55,6 +70,7 @@ pub fn turns(messages: &[Message]) -> Vec<Turn> {
                             status,
                             content,
                             error,
+                            provider_result,
                             ..
                         } => {
                             items.push(AssistantItem::ToolCall {
@@ -77,6 +93,7 @@ pub fn turns(messages: &[Message]) -> Vec<Turn> {
                                 id: call_id.to_string(),
                                 name: name.clone(),
                                 output,
+                                provider_result: provider_result.clone(),
                             });
                         }
                     }

@@ -9,8 +9,10 @@
 //! `cleanup` settles an interrupted execution, `settled` releases the claim with
 //! `execution.settled`. [`Runner`] is the handle the service uses.
 
+mod compaction;
 mod context;
 mod publisher;
+mod retry;
 mod step;
 mod tools;
 
@@ -33,6 +35,8 @@ use crate::provider::Provider;
 use crate::store::{self, Conn, Store};
 use crate::tool::{self, Registry};
 
+pub use compaction::{ModelLimits, needs_compaction};
+pub use retry::RetryPolicy;
 pub use step::StepSummary;
 
 /// Why a drain (or its busy period) did not finish normally.
@@ -123,13 +127,28 @@ pub struct Settings {
     pub providers: HashMap<String, Arc<dyn Provider>>,
     pub tools: Registry,
     pub limits: tool::Limits,
+    /// How failed provider requests are retried.
+    pub retry: RetryPolicy,
+    /// Limits of the models that have them configured, by `provider/id`: the output
+    /// limit of each request and the threshold of automatic compaction. A model without
+    /// limits is never compacted automatically.
+    pub models: HashMap<String, ModelLimits>,
 }
 
 /// Something published live, after its commit for durable events.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Live {
+    /// Committed by this process.
     Durable(Envelope),
     Ephemeral(EphemeralEnvelope),
+    /// Committed by another node and read back from the log ([`crate::cluster`]).
+    Remote(Envelope),
+}
+
+/// Where a wake goes when another node holds the session's claim.
+pub trait Router: Send + Sync {
+    /// `owner` holds `session`'s claim; tell it there is work.
+    fn wake_elsewhere(&self, owner: OwnerId, session: SessionId);
 }
 
 /// A reply to a permission request or a question.
@@ -170,6 +189,7 @@ pub struct Engine {
     held: Mutex<HashMap<SessionId, Held>>,
     live: broadcast::Sender<Live>,
     waiting: Mutex<HashMap<RequestId, oneshot::Sender<Reply>>>,
+    router: std::sync::OnceLock<Arc<dyn Router>>,
 }
 
 /// The handle the service uses to run sessions.
@@ -188,6 +208,7 @@ impl Runner {
                 held: Mutex::new(HashMap::new()),
                 live,
                 waiting: Mutex::new(HashMap::new()),
+                router: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -199,6 +220,20 @@ impl Runner {
     /// Live events, durable ones after their commit.
     pub fn subscribe(&self) -> broadcast::Receiver<Live> {
         self.engine().live.subscribe()
+    }
+
+    /// Sends wakes for sessions another node holds through `router` (set once).
+    pub fn route_through(&self, router: Arc<dyn Router>) {
+        if self.engine().router.set(router).is_err() {
+            tracing::warn!("a router was set twice; the first one stays");
+        }
+    }
+
+    /// Publishes events another node committed to this process's live subscribers.
+    pub fn relay(&self, envelopes: &[Envelope]) {
+        for envelope in envelopes {
+            drop(self.engine().live.send(Live::Remote(envelope.clone())));
+        }
     }
 
     /// Publishes events committed outside the runner (admission, renames) to live
@@ -407,6 +442,14 @@ impl Engine {
         }
     }
 
+    /// The session's directory, agent and model.
+    async fn session_info(&self, session: SessionId) -> Result<projector::SessionInfo, Error> {
+        self.store
+            .read(move |c| projector::session_info(c, session).map_err(Error::from))
+            .await?
+            .ok_or_else(|| Error::Config(format!("no session {session}")))
+    }
+
     async fn messages(&self, session: SessionId) -> Result<Vec<Message>, Error> {
         self.store
             .read(move |c| projector::messages(c, session).map_err(Error::from))
@@ -488,25 +531,20 @@ impl Engine {
                     true
                 }
                 Promotion::Control(input) => {
-                    // Compaction is carried out by the compaction work; until it exists the
-                    // request is recorded as failed, so it neither blocks nor vanishes.
-                    let input_id = input.id;
-                    self.publish(
-                        &held,
-                        vec![
-                            DurableEvent::CompactionStarted(payload::CompactionStarted {
-                                reason: keel_schema::types::CompactionReason::Manual,
-                                input_id: Some(input_id),
-                            }),
-                            DurableEvent::CompactionFailed(payload::CompactionFailed {
-                                error: ErrorInfo::new(
-                                    "compaction.unavailable",
-                                    "compaction is not built yet; the history is unchanged",
-                                ),
-                            }),
-                        ],
-                    )
-                    .await?;
+                    // The only control input is `compact`; its outcome is in its events,
+                    // and a failed compaction leaves the history as it was.
+                    let compacted = self
+                        .compact(
+                            &held,
+                            keel_schema::types::CompactionReason::Manual,
+                            Some(input.id),
+                            None,
+                            &cancel,
+                        )
+                        .await?;
+                    if compacted == compaction::Compacted::Interrupted {
+                        return Err(Error::Interrupted);
+                    }
                     continue;
                 }
             };
@@ -538,7 +576,9 @@ fn awaits_model(messages: &[Message], resume: bool) -> bool {
     match messages.last() {
         None => false,
         Some(Message::User { .. } | Message::Synthetic { .. }) => true,
-        Some(Message::Summary { .. }) => resume,
+        // A summary ends a manual compaction; an automatic one is followed by its
+        // continuation.
+        Some(Message::Summary { .. }) => false,
         Some(Message::Assistant { end, .. }) => match end {
             Some(StepEnd::Ended {
                 finish: Finish::ToolCalls,
@@ -563,13 +603,29 @@ impl Work for Engine {
             let acquired = self
                 .store
                 .write(move |c| {
-                    execution::acquire(c, clock.now_ms(), lease, session, owner).map(|claimed| {
-                        claimed.map(|(claim, envelope)| (claim, envelope, clock.now_ms()))
-                    })
+                    let now = clock.now_ms();
+                    match execution::acquire(c, now, lease, session, owner)? {
+                        Some((claim, envelope)) => {
+                            Ok::<_, execution::Error>(Ok((claim, envelope, now)))
+                        }
+                        None => Ok(Err(
+                            execution::get(c, session)?.map(|row| row.claim.owner_id)
+                        )),
+                    }
                 })
-                .await?;
-            let Some((claim, envelope, now)) = acquired else {
-                return Err(Error::Busy(session));
+                .await
+                .map_err(Error::from)?;
+            let (claim, envelope, now) = match acquired {
+                Ok(acquired) => acquired,
+                Err(holder) => {
+                    // Another node runs the session: the wake is its to carry out.
+                    if let (Some(holder), Some(router)) = (holder, self.router.get())
+                        && holder != owner
+                    {
+                        router.wake_elsewhere(holder, session);
+                    }
+                    return Err(Error::Busy(session));
+                }
             };
             self.broadcast(std::slice::from_ref(&envelope));
             lock(&self.held).insert(

@@ -10,21 +10,26 @@
 //! `step.interrupted`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, EphemeralEvent, payload};
 use keel_schema::id::{CallId, MessageId};
-use keel_schema::types::{Effect, ErrorInfo, Finish, InterruptReason, Phase, Usage};
+use keel_schema::types::{
+    CompactionReason, Effect, ErrorInfo, Finish, InterruptReason, ModelRef, Phase, Usage,
+};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::publisher::{Publisher, coalesce};
 use super::tools::{Done, QUESTION, question_spec};
 use super::{Engine, Error, Held, context};
 use crate::event::projector;
 use crate::execution;
-use crate::provider::{self, ToolChoice, ToolSpec};
+use crate::provider::{self, Provider, ToolChoice, ToolSpec};
 
 /// How a step ended, as far as the drain needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,35 +58,11 @@ impl Engine {
         cancel: &CancellationToken,
     ) -> Result<StepSummary, Error> {
         let session = held.claim.session_id;
-        let info = self
-            .store
-            .read(move |c| projector::session_info(c, session).map_err(Error::from))
-            .await?
-            .ok_or_else(|| Error::Config(format!("no session {session}")))?;
+        let info = self.session_info(session).await?;
         let agent = self.agent(&info.agent)?;
-        let provider = self
-            .settings
-            .providers
-            .get(&info.model.provider)
-            .cloned()
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "no provider `{}` is configured (model {})",
-                    info.model.provider, info.model
-                ))
-            })?;
+        let provider = self.provider(&info.model)?;
         let last_step = step_number >= agent.max_steps;
-        let mut specs: Vec<ToolSpec> = self
-            .settings
-            .tools
-            .iter()
-            .map(|t| ToolSpec {
-                name: t.name().into(),
-                description: t.description().into(),
-                input_schema: t.input_schema(),
-            })
-            .collect();
-        specs.push(question_spec());
+        let specs = self.tool_specs();
         let mut known: HashMap<String, Effect> = self
             .settings
             .tools
@@ -89,7 +70,8 @@ impl Engine {
             .map(|t| (t.name().to_owned(), t.effect()))
             .collect();
         known.insert(QUESTION.into(), Effect::Read);
-        let request = provider::Request {
+        let limits = self.limits(&info.model);
+        let mut request = provider::Request {
             model: info.model.clone(),
             system: agent.system.clone(),
             turns: context::turns(&messages),
@@ -99,8 +81,24 @@ impl Engine {
             } else {
                 ToolChoice::Auto
             },
-            max_output_tokens: None,
+            max_output_tokens: limits.map(|l| u32::try_from(l.output).unwrap_or(u32::MAX)),
         };
+        // One compaction per logical step: automatic here, or forced by an overflow below.
+        let mut compacted = false;
+        if let Some(limits) = limits
+            && needs_compaction(estimate_tokens(&request), limits)
+        {
+            compacted = true;
+            match self
+                .compact(held, CompactionReason::Auto, None, None, cancel)
+                .await?
+            {
+                Compacted::Done => request.turns = context::turns(&self.messages(session).await?),
+                Compacted::Interrupted => return Err(Error::Interrupted),
+                // The step goes ahead; if the provider refuses it as too long, it fails.
+                Compacted::Failed(_) => {}
+            }
+        }
 
         // The fenced `step.started` is the ownership check before the provider request.
         let assistant = MessageId::new();
@@ -125,6 +123,7 @@ impl Engine {
             })
             .await?;
         self.broadcast(&started);
+        let assistant_seq = started.first().map_or(0, |e| e.seq);
         if cancel.is_cancelled() {
             return Err(Error::Interrupted);
         }
@@ -139,8 +138,11 @@ impl Engine {
             });
             let mut publisher = Publisher::new(assistant, known, last_step);
             let mut tasks: JoinSet<(CallId, Done)> = JoinSet::new();
-            let mut stream = provider.stream(request);
+            let mut stream = provider.stream(request.clone());
             let mut stream_open = true;
+            // Whether the provider said anything yet: after that, no transparent retry.
+            let mut output_started = false;
+            let mut retries = 0u32;
             let mut interrupted = false;
             let mut failure: Option<provider::Error> = None;
             let mut stop: Option<InterruptReason> = None;
@@ -169,15 +171,42 @@ impl Engine {
                     }
                     item = stream.next(), if stream_open => {
                         let mut item = item;
+                        let mut retry: Option<(provider::Error, Duration)> = None;
+                        let mut overflow: Option<provider::Error> = None;
                         // Take everything the stream has ready, so deltas go out batched.
                         loop {
                             match item {
+                                None if !output_started => {
+                                    // Ended before saying anything: cut short, retried like one.
+                                    let e = provider::Error::Incomplete(
+                                        "the stream ended before any output".into(),
+                                    );
+                                    match self.settings.retry.delay(retries + 1, &e) {
+                                        Some(wait) => retry = Some((e, wait)),
+                                        None => failure = Some(e),
+                                    }
+                                    stream_open = false;
+                                    break;
+                                }
                                 None => {
                                     stream_open = false;
                                     break;
                                 }
+                                Some(Err(e @ provider::Error::ContextOverflow(_)))
+                                    if !output_started && !compacted =>
+                                {
+                                    overflow = Some(e);
+                                    stream_open = false;
+                                    break;
+                                }
                                 Some(Err(e)) => {
-                                    failure = Some(e);
+                                    let wait = (!output_started)
+                                        .then(|| self.settings.retry.delay(retries + 1, &e))
+                                        .flatten();
+                                    match wait {
+                                        Some(wait) => retry = Some((e, wait)),
+                                        None => failure = Some(e),
+                                    }
                                     stream_open = false;
                                     break;
                                 }
@@ -188,6 +217,7 @@ impl Engine {
                                         break;
                                     }
                                     Ok(actions) => {
+                                        output_started = true;
                                         if !actions.durable.is_empty() {
                                             self.flush(held, &mut pending_deltas);
                                             self.publish(held, actions.durable).await?;
@@ -206,6 +236,36 @@ impl Engine {
                             }
                         }
                         self.flush(held, &mut pending_deltas);
+                        if let Some(error) = overflow {
+                            // Before any output: compact once, then send the step again.
+                            compacted = true;
+                            match self
+                                .compact(held, CompactionReason::Overflow, None, Some((assistant, assistant_seq)), cancel)
+                                .await?
+                            {
+                                Compacted::Done => {
+                                    request.turns = context::turns(&self.messages(session).await?);
+                                    stream = provider.stream(request.clone());
+                                    stream_open = true;
+                                }
+                                Compacted::Interrupted => {
+                                    interrupted = true;
+                                    tool_cancel.cancel();
+                                }
+                                // A failed summary leaves the original overflow as the step's error.
+                                Compacted::Failed(_) => failure = Some(error),
+                            }
+                        }
+                        if let Some((error, wait)) = retry {
+                            retries += 1;
+                            if self.backoff(held, assistant, retries, &error, wait, cancel).await? {
+                                stream = provider.stream(request.clone());
+                                stream_open = true;
+                            } else {
+                                interrupted = true;
+                                tool_cancel.cancel();
+                            }
+                        }
                     }
                 }
             }
@@ -278,6 +338,76 @@ impl Engine {
                 Err(error)
             }
             other => other,
+        }
+    }
+
+    /// The adapter that serves `model`.
+    pub(super) fn provider(&self, model: &ModelRef) -> Result<Arc<dyn Provider>, Error> {
+        self.settings
+            .providers
+            .get(&model.provider)
+            .cloned()
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "no provider `{}` is configured (model {model})",
+                    model.provider
+                ))
+            })
+    }
+
+    /// The tools as the model sees them: the registry's and the question.
+    pub(super) fn tool_specs(&self) -> Vec<ToolSpec> {
+        let mut specs: Vec<ToolSpec> = self
+            .settings
+            .tools
+            .iter()
+            .map(|t| ToolSpec {
+                name: t.name().into(),
+                description: t.description().into(),
+                input_schema: t.input_schema(),
+            })
+            .collect();
+        specs.push(question_spec());
+        specs
+    }
+
+    /// Publishes `retry.scheduled` for retry number `retry` after `error` and waits
+    /// `wait`; false when an interrupt came first (no further attempt is made).
+    async fn backoff(
+        &self,
+        held: &Held,
+        assistant: MessageId,
+        retry: u32,
+        error: &provider::Error,
+        wait: Duration,
+        cancel: &CancellationToken,
+    ) -> Result<bool, Error> {
+        let session = held.claim.session_id;
+        let at = self
+            .store
+            .clock()
+            .now_ms()
+            .saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        tracing::warn!(%session, retry, wait_ms = wait.as_millis(), error = %error, "provider request failed; retrying");
+        self.publish(
+            held,
+            vec![DurableEvent::RetryScheduled(payload::RetryScheduled {
+                assistant_message_id: assistant,
+                attempt: retry,
+                at,
+                error: error.info(),
+            })],
+        )
+        .await?;
+        tokio::select! {
+            () = cancel.cancelled() => Ok(false),
+            () = tokio::time::sleep(wait) => {
+                if self.owns(held) {
+                    Ok(true)
+                } else {
+                    Err(Error::OwnershipLost(session))
+                }
+            }
         }
     }
 

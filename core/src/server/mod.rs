@@ -30,6 +30,10 @@ pub struct Shared {
     pub token: Option<String>,
     pub heartbeat: Duration,
     pub started_at: i64,
+    /// The lease, which also bounds how long a silent node is listed.
+    pub lease_ms: i64,
+    /// The other nodes, on PostgreSQL.
+    pub bus: Option<crate::cluster::Bus>,
 }
 
 pub type AppState = Arc<Shared>;

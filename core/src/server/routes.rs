@@ -7,7 +7,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use keel_schema::api::{
     Accepted, CreateSession, ErrorType, ExecutionStatus, Health, InterruptResponse,
-    ListSessionsQuery, MessageList, Node, NodeList, PermissionReply, PromptRequest, PromptResponse,
+    ListSessionsQuery, MessageList, NodeList, PermissionReply, PromptRequest, PromptResponse,
     QuestionReply, Session, SessionList, SessionStatus, UpdateSession,
 };
 use keel_schema::event::{DurableEvent, Envelope, payload};
@@ -15,6 +15,7 @@ use keel_schema::id::{RequestId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef};
 
 use super::{ApiError, AppState};
+use crate::cluster;
 use crate::coordinator::Scope;
 use crate::event::{log, projector};
 use crate::execution;
@@ -197,7 +198,11 @@ pub async fn delete_session(
 ) -> Result<StatusCode> {
     let id = session_id(path)?;
     existing(&state, id).await?;
-    if state.runner.is_busy(id) {
+    let claimed = state
+        .store
+        .read(move |c| cluster::claim_owner(c, id))
+        .await?;
+    if state.runner.is_busy(id) || claimed.is_some() {
         return Err(ApiError::new(
             ErrorType::Conflict,
             "the session is running; interrupt it before deleting it",
@@ -328,8 +333,27 @@ pub async fn interrupt(
 ) -> Result<Json<InterruptResponse>> {
     let id = session_id(path)?;
     existing(&state, id).await?;
+    if state.runner.interrupt(id).await {
+        return Ok(Json(InterruptResponse { interrupted: true }));
+    }
+    // Another node may be running it: the interrupt goes there.
+    let holder = state
+        .store
+        .read(move |c| cluster::claim_owner(c, id))
+        .await?;
+    let routed = match (holder, &state.bus) {
+        (Some(holder), Some(bus)) if holder != state.runner.owner() => {
+            bus.route(&cluster::Route {
+                to: holder,
+                session: id,
+                kind: cluster::RouteKind::Interrupt,
+            });
+            true
+        }
+        _ => false,
+    };
     Ok(Json(InterruptResponse {
-        interrupted: state.runner.interrupt(id).await,
+        interrupted: routed,
     }))
 }
 
@@ -404,18 +428,13 @@ pub async fn messages(
     Ok(Json(MessageList { items }))
 }
 
-pub async fn nodes(State(state): State<AppState>) -> Json<NodeList> {
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
-    Json(NodeList {
-        items: vec![Node {
-            id: state.runner.owner(),
-            host,
-            pid: std::process::id(),
-            started_at: state.started_at,
-            heartbeat_at: state.store.clock().now_ms(),
-            sessions: u32::try_from(state.runner.held()).unwrap_or(u32::MAX),
-        }],
-    })
+pub async fn nodes(State(state): State<AppState>) -> Result<Json<NodeList>> {
+    let alive_since = state.store.clock().now_ms() - 3 * state.lease_ms;
+    let items = state
+        .store
+        .read(move |c| cluster::list(c, alive_since))
+        .await?;
+    Ok(Json(NodeList { items }))
 }
 
 pub async fn openapi() -> impl IntoResponse {

@@ -140,7 +140,9 @@ pub async fn session_log(
         loop {
             let read = tokio::select! {
                 item = live.recv() => match item {
-                    Ok(Live::Durable(envelope)) => envelope.session_id == id && envelope.seq > last,
+                    Ok(Live::Durable(envelope) | Live::Remote(envelope)) => {
+                        envelope.session_id == id && envelope.seq > last
+                    }
                     Ok(Live::Ephemeral(event)) => {
                         if ephemeral && event.session_id == id {
                             let data = serde_json::to_string(&event).unwrap_or_default();
@@ -191,7 +193,9 @@ pub async fn events(State(state): State<AppState>) -> Events {
                 () = tx.closed() => return,
             };
             let event = match event {
-                Ok(Live::Durable(envelope)) => serde_json::to_string(&envelope),
+                Ok(Live::Durable(envelope) | Live::Remote(envelope)) => {
+                    serde_json::to_string(&envelope)
+                }
                 Ok(Live::Ephemeral(event)) => serde_json::to_string(&event),
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
                     return lagged(format!(

@@ -4,9 +4,13 @@
 
 mod support;
 
+mod anthropic;
 mod cancellation;
+mod compaction;
 mod faults;
+mod openai;
 mod ownership;
 mod permissions;
 mod recovery;
+mod retries;
 mod steps;

@@ -196,6 +196,13 @@ pub struct Setup {
     pub script: Option<Script>,
     pub agent: Option<Agent>,
     pub failpoint: Option<Failpoint>,
+    /// More providers by name (a real adapter pointed at a fake server, say); sessions
+    /// use one through [`Harness::session_on`].
+    pub providers: Vec<(String, Arc<dyn Provider>)>,
+    /// The retry policy; Keel's default otherwise.
+    pub retry: Option<runner::RetryPolicy>,
+    /// Model limits by `provider/id` (automatic compaction).
+    pub models: HashMap<String, runner::ModelLimits>,
 }
 
 impl Harness {
@@ -241,6 +248,7 @@ impl Harness {
         providers.insert("scripted".into(), recording.clone());
         providers.insert("other".into(), recording.clone());
         providers.insert("driven".into(), driven.clone());
+        providers.extend(setup.providers);
         let mut agents = HashMap::new();
         agents.insert("build".into(), setup.agent.unwrap_or_default());
         let owner = OwnerId::new();
@@ -251,6 +259,8 @@ impl Harness {
             providers,
             tools: Registry::new(tools),
             limits: tool::Limits::default(),
+            retry: setup.retry.unwrap_or_default(),
+            models: setup.models,
         };
         let runner = Runner::new(store.clone(), settings.clone());
         Self {
@@ -338,6 +348,26 @@ impl Harness {
         self.store.read_log(session, 0, u32::MAX).await.unwrap()
     }
 
+    /// The session's durable events as JSON for a snapshot: ids become `<prefix#n>` in
+    /// order of first appearance, times `<time>` and the session directory `<directory>`, so the same run always gives
+    /// the same text while every reference between events stays visible.
+    pub async fn redacted_log(&self, session: SessionId) -> Vec<Value> {
+        let mut names = HashMap::new();
+        self.log(session)
+            .await
+            .iter()
+            .map(|e| {
+                let mut value = json!({
+                    "seq": e.seq,
+                    "type": e.event.type_name().trim_start_matches("session.next."),
+                    "data": e.event.data().unwrap(),
+                });
+                redact(&mut value, &mut names);
+                value
+            })
+            .collect()
+    }
+
     /// The session's event types, without the common prefix.
     pub async fn kinds(&self, session: SessionId) -> Vec<String> {
         self.log(session)
@@ -385,5 +415,36 @@ impl Harness {
             .await
             .unwrap()
             .is_some()
+    }
+}
+
+/// Replaces Keel ids and times in `value` (see [`Harness::redacted_log`]).
+fn redact(value: &mut Value, names: &mut HashMap<String, String>) {
+    static ID: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let id = ID.get_or_init(|| regex::Regex::new("^([a-z]{2,5})_[0-9A-HJKMNP-TV-Z]{26}$").unwrap());
+    match value {
+        Value::String(text) => {
+            if let Some(captures) = id.captures(text) {
+                let prefix = captures[1].to_owned();
+                let count = names.len() + 1;
+                let name = names
+                    .entry(text.clone())
+                    .or_insert_with(|| format!("<{prefix}#{count}>"));
+                *text = name.clone();
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| redact(v, names)),
+        Value::Object(fields) => {
+            for (key, field) in fields.iter_mut() {
+                if matches!(key.as_str(), "time" | "at" | "time_created") && field.is_number() {
+                    *field = Value::String("<time>".into());
+                } else if key == "directory" {
+                    *field = Value::String("<directory>".into());
+                } else {
+                    redact(field, names);
+                }
+            }
+        }
+        _ => {}
     }
 }

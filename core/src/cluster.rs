@@ -1,0 +1,439 @@
+//! Several nodes on one database.
+//!
+//! Every `keel serve` process is a node: it registers in the `node` table at start,
+//! heartbeats every third of a lease, and removes itself on a graceful shutdown; nodes
+//! silent for three leases are dropped from the list (their claims are recovery's
+//! business, not this table's). `GET /api/nodes` lists the live ones.
+//!
+//! On PostgreSQL the nodes also talk through LISTEN/NOTIFY ([`Bus`]), on one dedicated
+//! connection per node:
+//! - `keel_log`: each node announces the durable events it committed (`node session
+//!   first last`); the others read those events from the log and publish them to their
+//!   own streams, so a client may follow any session through any node. A notification
+//!   lost to a broken connection costs latency, not events: log streams re-read the log
+//!   periodically.
+//! - `keel_route`: a wake or an interrupt for a session whose claim another node holds
+//!   goes to that node (`{"to", "session", "kind"}`), which carries it out as if it had
+//!   been asked directly. A wake for a session nobody holds is taken locally.
+//!
+//! The connection is polled every [`POLL`]: libpq's notifications arrive on its socket,
+//! which diesel does not expose for waiting, and a 20 ms poll costs one non-blocking read.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::Text;
+use keel_schema::api;
+use keel_schema::id::{OwnerId, SessionId};
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use crate::coordinator::Scope;
+use crate::runner::{Live, Runner};
+use crate::store::schema::{node, session_execution};
+use crate::store::{self, Conn, Store};
+
+/// How often the bus connection is polled for notifications and outgoing messages.
+pub const POLL: Duration = Duration::from_millis(20);
+
+/// The channel of committed events.
+const LOG_CHANNEL: &str = "keel_log";
+
+/// The channel of routed wakes and interrupts.
+const ROUTE_CHANNEL: &str = "keel_route";
+
+/// What a node says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub owner: OwnerId,
+    pub host: String,
+    pub pid: u32,
+    pub started_at: i64,
+}
+
+impl NodeInfo {
+    /// This process, started now.
+    pub fn this_process(owner: OwnerId, now: i64) -> Self {
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty())
+            .or_else(|| {
+                std::fs::read_to_string("/etc/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_owned())
+            })
+            .unwrap_or_else(|| "localhost".into());
+        Self {
+            owner,
+            host,
+            pid: std::process::id(),
+            started_at: now,
+        }
+    }
+}
+
+/// Registers `info` (or refreshes its row).
+pub fn register(connection: &mut Conn, now: i64, info: &NodeInfo) -> Result<(), store::Error> {
+    let row = (
+        node::owner_id.eq(info.owner.to_string()),
+        node::host.eq(&info.host),
+        node::pid.eq(i64::from(info.pid)),
+        node::started_at.eq(info.started_at),
+        node::heartbeat_at.eq(now),
+    );
+    diesel::delete(node::table.filter(node::owner_id.eq(info.owner.to_string())))
+        .execute(connection)?;
+    diesel::insert_into(node::table)
+        .values(row)
+        .execute(connection)?;
+    Ok(())
+}
+
+/// Records a heartbeat of `owner` and drops nodes silent since `silent_since`. False when
+/// the node's row was gone (another node dropped it after a long pause): then it must
+/// register again.
+pub fn heartbeat(
+    connection: &mut Conn,
+    now: i64,
+    owner: OwnerId,
+    silent_since: i64,
+) -> Result<bool, store::Error> {
+    let updated = diesel::update(node::table.filter(node::owner_id.eq(owner.to_string())))
+        .set(node::heartbeat_at.eq(now))
+        .execute(connection)?;
+    diesel::delete(node::table.filter(node::heartbeat_at.lt(silent_since))).execute(connection)?;
+    Ok(updated == 1)
+}
+
+/// Removes `owner` from the table (a graceful shutdown).
+pub fn unregister(connection: &mut Conn, owner: OwnerId) -> Result<(), store::Error> {
+    diesel::delete(node::table.filter(node::owner_id.eq(owner.to_string()))).execute(connection)?;
+    Ok(())
+}
+
+/// The nodes that heartbeat since `alive_since`, with the sessions each owns now.
+pub fn list(connection: &mut Conn, alive_since: i64) -> Result<Vec<api::Node>, store::Error> {
+    let rows: Vec<(String, String, i64, i64, i64)> = node::table
+        .filter(node::heartbeat_at.ge(alive_since))
+        .order(node::started_at.asc())
+        .select((
+            node::owner_id,
+            node::host,
+            node::pid,
+            node::started_at,
+            node::heartbeat_at,
+        ))
+        .load(connection)?;
+    let owners: Vec<String> = session_execution::table
+        .select(session_execution::owner_id)
+        .load(connection)?;
+    rows.into_iter()
+        .map(|(owner, host, pid, started_at, heartbeat_at)| {
+            let sessions = owners.iter().filter(|o| **o == owner).count();
+            Ok(api::Node {
+                id: owner
+                    .parse()
+                    .map_err(|e| store::Error::Corrupt(format!("node id {owner}: {e}")))?,
+                host,
+                pid: u32::try_from(pid).unwrap_or(0),
+                started_at,
+                heartbeat_at,
+                sessions: u32::try_from(sessions).unwrap_or(u32::MAX),
+            })
+        })
+        .collect()
+}
+
+/// Heartbeats `info` every third of a lease until `shutdown`, then unregisters it.
+pub async fn keep_registered(
+    store: Store,
+    info: NodeInfo,
+    lease_ms: i64,
+    shutdown: CancellationToken,
+) {
+    let period = Duration::from_millis(u64::try_from(lease_ms / 3).unwrap_or(1).max(1));
+    loop {
+        let now = store.clock().now_ms();
+        let owner = info.owner;
+        let beat = store
+            .write(move |c| heartbeat(c, now, owner, now - 3 * lease_ms))
+            .await;
+        let registered = match beat {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                let info = info.clone();
+                store.write(move |c| register(c, now, &info)).await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = registered {
+            tracing::warn!(error = %e, "the node heartbeat failed; retrying next period");
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            () = tokio::time::sleep(period) => {}
+        }
+    }
+    let owner = info.owner;
+    if let Err(e) = store.write(move |c| unregister(c, owner)).await {
+        tracing::warn!(error = %e, "the node could not unregister");
+    }
+}
+
+/// What a routed message asks of its node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteKind {
+    Wake,
+    Interrupt,
+}
+
+/// A wake or interrupt for the node that holds a session's claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Route {
+    pub to: OwnerId,
+    pub session: SessionId,
+    pub kind: RouteKind,
+}
+
+/// A notification for the bus thread to send.
+#[derive(Debug)]
+struct Outgoing {
+    channel: &'static str,
+    payload: String,
+}
+
+/// The node's end of LISTEN/NOTIFY (PostgreSQL only).
+#[derive(Debug, Clone)]
+pub struct Bus {
+    outgoing: mpsc::Sender<Outgoing>,
+}
+
+impl Bus {
+    /// Starts the bus thread on its own connection to `url`, and the task that announces
+    /// this node's commits. Runs until `shutdown`.
+    pub fn start(url: String, runner: Runner, store: Store, shutdown: CancellationToken) -> Self {
+        let (outgoing, queue) = mpsc::channel();
+        let bus = Self { outgoing };
+        let handle = tokio::runtime::Handle::current();
+        let receiver = Receiver {
+            owner: runner.owner(),
+            runner: runner.clone(),
+            store,
+            handle,
+        };
+        let stop = shutdown.clone();
+        std::thread::Builder::new()
+            .name("keel-bus".into())
+            .spawn(move || receiver.run(&url, &queue, &stop))
+            .map_err(|e| tracing::error!(error = %e, "the bus thread did not start"))
+            .ok();
+        tokio::spawn(announce(bus.clone(), runner, shutdown));
+        bus
+    }
+
+    /// Sends `route` to the node it names.
+    pub fn route(&self, route: &Route) {
+        match serde_json::to_string(route) {
+            Ok(payload) => self.send(ROUTE_CHANNEL, payload),
+            Err(e) => tracing::error!(error = %e, "a route did not serialize"),
+        }
+    }
+
+    fn send(&self, channel: &'static str, payload: String) {
+        // The thread is gone only at shutdown.
+        drop(self.outgoing.send(Outgoing { channel, payload }));
+    }
+}
+
+impl crate::runner::Router for Bus {
+    fn wake_elsewhere(&self, owner: OwnerId, session: SessionId) {
+        self.route(&Route {
+            to: owner,
+            session,
+            kind: RouteKind::Wake,
+        });
+    }
+}
+
+/// Announces this node's commits on `keel_log`, one range per session and burst.
+async fn announce(bus: Bus, runner: Runner, shutdown: CancellationToken) {
+    let owner = runner.owner();
+    let mut live = runner.subscribe();
+    loop {
+        let first = tokio::select! {
+            () = shutdown.cancelled() => return,
+            item = live.recv() => item,
+        };
+        let mut ranges: BTreeMap<SessionId, (u64, u64)> = BTreeMap::new();
+        let mut note = |item: Result<Live, broadcast::error::RecvError>| match item {
+            Ok(Live::Durable(envelope)) => {
+                let range = ranges
+                    .entry(envelope.session_id)
+                    .or_insert((envelope.seq, envelope.seq));
+                range.0 = range.0.min(envelope.seq);
+                range.1 = range.1.max(envelope.seq);
+                true
+            }
+            Ok(_) => true,
+            Err(broadcast::error::RecvError::Lagged(missed)) => {
+                // The other nodes' streams re-read the log periodically; they are late,
+                // not wrong.
+                tracing::warn!(missed, "commits were not announced to the other nodes");
+                true
+            }
+            Err(broadcast::error::RecvError::Closed) => false,
+        };
+        if !note(first) {
+            return;
+        }
+        while let Ok(item) = live.try_recv() {
+            note(Ok(item));
+        }
+        for (session, (first, last)) in ranges {
+            bus.send(LOG_CHANNEL, format!("{owner} {session} {first} {last}"));
+        }
+    }
+}
+
+/// The bus thread's state.
+struct Receiver {
+    owner: OwnerId,
+    runner: Runner,
+    store: Store,
+    handle: tokio::runtime::Handle,
+}
+
+impl Receiver {
+    fn run(self, url: &str, queue: &mpsc::Receiver<Outgoing>, shutdown: &CancellationToken) {
+        while !shutdown.is_cancelled() {
+            match self.connect(url) {
+                Ok(mut connection) => {
+                    tracing::info!("listening for the other nodes");
+                    if let Err(e) = self.serve(&mut connection, queue, shutdown) {
+                        tracing::warn!(error = %e, "the bus connection failed; reconnecting");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "the bus cannot connect; retrying"),
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
+    fn connect(&self, url: &str) -> Result<PgConnection, diesel::result::Error> {
+        let mut connection = PgConnection::establish(url).map_err(|e| {
+            diesel::result::Error::DatabaseError(
+                diesel::result::DatabaseErrorKind::UnableToSendCommand,
+                Box::new(e.to_string()),
+            )
+        })?;
+        diesel::sql_query(format!("LISTEN {LOG_CHANNEL}")).execute(&mut connection)?;
+        diesel::sql_query(format!("LISTEN {ROUTE_CHANNEL}")).execute(&mut connection)?;
+        Ok(connection)
+    }
+
+    fn serve(
+        &self,
+        connection: &mut PgConnection,
+        queue: &mpsc::Receiver<Outgoing>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), diesel::result::Error> {
+        while !shutdown.is_cancelled() {
+            while let Ok(Outgoing { channel, payload }) = queue.try_recv() {
+                diesel::sql_query("SELECT pg_notify($1, $2)")
+                    .bind::<Text, _>(channel)
+                    .bind::<Text, _>(&payload)
+                    .execute(connection)?;
+            }
+            let received: Vec<_> = connection.notifications_iter().collect::<Result<_, _>>()?;
+            for notification in received {
+                match notification.channel.as_str() {
+                    LOG_CHANNEL => self.committed(&notification.payload),
+                    ROUTE_CHANNEL => self.routed(&notification.payload),
+                    _ => {}
+                }
+            }
+            std::thread::sleep(POLL);
+        }
+        Ok(())
+    }
+
+    /// Another node committed events: publish them here too.
+    fn committed(&self, payload: &str) {
+        let mut fields = payload.split(' ');
+        let (Some(origin), Some(session), Some(first), Some(last)) =
+            (fields.next(), fields.next(), fields.next(), fields.next())
+        else {
+            tracing::warn!(payload, "an unreadable commit notice");
+            return;
+        };
+        if origin == self.owner.to_string() {
+            return;
+        }
+        let (Ok(session), Ok(first), Ok(last)) = (
+            session.parse::<SessionId>(),
+            first.parse::<u64>(),
+            last.parse::<u64>(),
+        ) else {
+            tracing::warn!(payload, "an unreadable commit notice");
+            return;
+        };
+        let (store, runner) = (self.store.clone(), self.runner.clone());
+        let count = u32::try_from(last.saturating_sub(first) + 1).unwrap_or(u32::MAX);
+        self.handle.spawn(async move {
+            match store
+                .read_log(session, first.saturating_sub(1), count)
+                .await
+            {
+                Ok(envelopes) => runner.relay(&envelopes),
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "reading another node's commits failed")
+                }
+            }
+        });
+    }
+
+    /// A wake or interrupt for this node.
+    fn routed(&self, payload: &str) {
+        let route: Route = match serde_json::from_str(payload) {
+            Ok(route) => route,
+            Err(e) => {
+                tracing::warn!(payload, error = %e, "an unreadable route");
+                return;
+            }
+        };
+        if route.to != self.owner {
+            return;
+        }
+        let runner = self.runner.clone();
+        self.handle.spawn(async move {
+            match route.kind {
+                RouteKind::Wake => runner.wake(route.session, Scope::Input),
+                RouteKind::Interrupt => {
+                    runner.interrupt(route.session).await;
+                }
+            }
+        });
+    }
+}
+
+/// The owner of `session`'s claim, if any.
+pub fn claim_owner(
+    connection: &mut Conn,
+    session: SessionId,
+) -> Result<Option<OwnerId>, store::Error> {
+    let owner: Option<String> = session_execution::table
+        .filter(session_execution::session_id.eq(session.to_string()))
+        .select(session_execution::owner_id)
+        .first(connection)
+        .optional()?;
+    owner
+        .map(|o| {
+            o.parse()
+                .map_err(|e| store::Error::Corrupt(format!("claim owner {o}: {e}")))
+        })
+        .transpose()
+}
