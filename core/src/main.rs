@@ -72,6 +72,10 @@ struct Serve {
     /// Interval of the comment heartbeat on event streams, in milliseconds.
     #[arg(long, env = "KEEL_HEARTBEAT_MS", default_value_t = 15_000)]
     heartbeat_ms: u64,
+    /// Pooled read connections to the database (besides the writer's one and, on
+    /// PostgreSQL, one for the other nodes' notifications).
+    #[arg(long, env = "KEEL_DB_READERS", default_value_t = 4)]
+    db_readers: u32,
 }
 
 fn main() -> ExitCode {
@@ -143,7 +147,14 @@ async fn run(serve: Serve) -> Result<()> {
     }
     let config = Config::load(serve.config.as_deref())?;
     let url: DbUrl = serve.db.parse()?;
-    let store = Store::open(url.clone(), Options::default()).await?;
+    if serve.db_readers == 0 {
+        bail!("KEEL_DB_READERS must be at least 1");
+    }
+    let options = Options {
+        read_connections: serve.db_readers,
+        ..Options::default()
+    };
+    let store = Store::open(url.clone(), options).await?;
     let owner = OwnerId::new();
     let runner = Runner::new(
         store.clone(),

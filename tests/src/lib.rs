@@ -227,7 +227,6 @@ impl PostgresDb {
     /// A new database, or `None` (saying so) when [`POSTGRES_ENV`] is not set. In CI
     /// (`CI=true`) a missing server is a failure, never a skip.
     pub fn fresh(test: &str) -> Option<Self> {
-        use diesel::{Connection, RunQueryDsl};
         let Ok(base) = std::env::var(POSTGRES_ENV) else {
             if std::env::var("CI").is_ok_and(|v| v == "true") {
                 panic!("{POSTGRES_ENV} must be set in CI: the PostgreSQL tests may not be skipped");
@@ -235,23 +234,54 @@ impl PostgresDb {
             eprintln!("{test}: SKIPPED (set {POSTGRES_ENV} to run the PostgreSQL tests)");
             return None;
         };
+        Some(Self::create(&base, "keel_e2e"))
+    }
+
+    /// A new database named `PREFIX_<ulid>` on the server of `base` (a URL naming any
+    /// database there to connect to).
+    pub fn create(base: &str, prefix: &str) -> Self {
+        use diesel::{Connection, RunQueryDsl};
         let name = format!(
-            "keel_e2e_{}",
+            "{prefix}_{}",
             ulid::Ulid::generate().to_string().to_lowercase()
         );
-        let mut admin = diesel::PgConnection::establish(&base)
-            .unwrap_or_else(|e| panic!("connecting to {POSTGRES_ENV}={base}: {e}"));
+        let mut admin = diesel::PgConnection::establish(base)
+            .unwrap_or_else(|e| panic!("connecting to {base}: {e}"));
         diesel::sql_query(format!("CREATE DATABASE {name}"))
             .execute(&mut admin)
             .unwrap_or_else(|e| panic!("creating database {name}: {e}"));
-        let (prefix, _) = base
+        let (server, _) = base
             .rsplit_once('/')
-            .unwrap_or_else(|| panic!("{POSTGRES_ENV}={base} has no database path"));
-        Some(Self {
-            url: format!("{prefix}/{name}"),
-            base,
+            .unwrap_or_else(|| panic!("{base} has no database path"));
+        Self {
+            url: format!("{server}/{name}"),
+            base: base.to_owned(),
             name,
-        })
+        }
+    }
+
+    /// Keeps the database (for inspection after a failure) and returns its URL.
+    pub fn keep(self) -> String {
+        let url = self.url.clone();
+        std::mem::forget(self);
+        url
+    }
+}
+
+impl PostgresDb {
+    /// Ends every connection to the database, as a server restart would; returns how
+    /// many there were.
+    pub fn terminate_connections(&self) -> usize {
+        use diesel::{Connection, RunQueryDsl};
+        let mut admin = diesel::PgConnection::establish(&self.base)
+            .unwrap_or_else(|e| panic!("connecting to {}: {e}", self.base));
+        diesel::sql_query(format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' \
+             AND pid <> pg_backend_pid()",
+            self.name
+        ))
+        .execute(&mut admin)
+        .unwrap_or_else(|e| panic!("terminating the connections to {}: {e}", self.name))
     }
 }
 

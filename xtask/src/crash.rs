@@ -19,6 +19,11 @@
 //!
 //! It prints `N kills, M sessions, V violations` and fails on any violation, keeping the
 //! directory (database, server log, side file) for inspection.
+//!
+//! With `--postgres` the run uses a fresh database on a PostgreSQL server
+//! (`KEEL_TEST_POSTGRES_URL`, or the local one), and with `--nodes K` it runs K nodes on
+//! it: clients talk to any of them, each kill takes a random node down and restarts it,
+//! and the survivors take the dead node's sessions over.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
@@ -35,8 +40,13 @@ use keel_client::schema::event::{DurableEvent, Envelope};
 use keel_client::schema::id::{InputId, SessionId};
 use keel_client::schema::types::{Delivery, Part};
 use keel_client::{Client, LogOptions};
+use keel_tests::PostgresDb;
 
-const USAGE: &str = "usage: cargo xtask crash [--iterations N] [--seed S] [--sessions M]";
+const USAGE: &str = "usage: cargo xtask crash [--iterations N] [--seed S] [--sessions M] \
+    [--postgres] [--nodes K]";
+
+/// The PostgreSQL server `--postgres` uses unless `KEEL_TEST_POSTGRES_URL` names another.
+const POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/test";
 
 /// The lease the server runs with: short, so a killed process's claims run out quickly.
 const LEASE_MS: &str = "1000";
@@ -48,6 +58,9 @@ struct Options {
     iterations: u32,
     seed: u64,
     sessions: usize,
+    /// The PostgreSQL server to create the run's database on; SQLite otherwise.
+    postgres: Option<String>,
+    nodes: usize,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -58,9 +71,16 @@ fn parse(args: &[String]) -> Result<Options> {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1),
         sessions: 6,
+        postgres: None,
+        nodes: 1,
     };
     let mut args = args.iter();
     while let Some(flag) = args.next() {
+        if flag == "--postgres" {
+            let url = std::env::var("KEEL_TEST_POSTGRES_URL").unwrap_or_else(|_| POSTGRES.into());
+            options.postgres = Some(url);
+            continue;
+        }
         let value = args
             .next()
             .with_context(|| format!("{flag} needs a value\n{USAGE}"))?;
@@ -69,11 +89,15 @@ fn parse(args: &[String]) -> Result<Options> {
             "--iterations" => options.iterations = value.parse().map_err(bad)?,
             "--seed" => options.seed = value.parse().map_err(bad)?,
             "--sessions" => options.sessions = value.parse().map_err(bad)?,
+            "--nodes" => options.nodes = value.parse().map_err(bad)?,
             _ => bail!("unknown flag {flag}\n{USAGE}"),
         }
     }
     if options.sessions == 0 {
         bail!("--sessions must be at least 1");
+    }
+    if options.nodes == 0 || (options.nodes > 1 && options.postgres.is_none()) {
+        bail!("--nodes must be at least 1, and more than one needs --postgres\n{USAGE}");
     }
     Ok(options)
 }
@@ -81,13 +105,33 @@ fn parse(args: &[String]) -> Result<Options> {
 pub fn run(root: &Path, args: &[String]) -> Result<()> {
     let options = parse(args)?;
     println!(
-        "crash: {} iterations, {} sessions, seed {}",
-        options.iterations, options.sessions, options.seed
+        "crash: {} iterations, {} sessions, {} node(s) on {}, seed {}",
+        options.iterations,
+        options.sessions,
+        options.nodes,
+        if options.postgres.is_some() {
+            "PostgreSQL"
+        } else {
+            "SQLite"
+        },
+        options.seed
     );
     let binary = build_keel(root)?;
     let dir = tempfile::tempdir().context("creating a temporary directory")?;
+    let database = options
+        .postgres
+        .as_deref()
+        .map(|server| PostgresDb::create(server, "keel_crash"));
+    let db = database
+        .as_ref()
+        .map_or_else(|| "sqlite://keel.db".to_owned(), |d| d.url.clone());
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    let outcome = runtime.block_on(campaign(&binary, dir.path(), &options));
+    let outcome = runtime.block_on(campaign(&binary, dir.path(), &db, &options));
+    if outcome.as_ref().map_or(true, |v| !v.is_empty())
+        && let Some(database) = database
+    {
+        eprintln!("the database is kept: {}", database.keep());
+    }
     match outcome {
         Ok(violations) if violations.is_empty() => Ok(()),
         Ok(violations) => {
@@ -184,15 +228,17 @@ struct Keel {
 }
 
 impl Keel {
-    fn start(binary: &Path, dir: &Path) -> Result<Self> {
+    /// Starts node `node` (its log is `keel.log`, or `keel-N.log` among several).
+    fn start(binary: &Path, dir: &Path, db: &str, node: Option<usize>) -> Result<Self> {
+        let log_name = node.map_or_else(|| "keel.log".to_owned(), |n| format!("keel-{n}.log"));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(dir.join("keel.log"))
+            .open(dir.join(log_name))
             .context("opening the server log")?;
         let mut child = Command::new(binary)
             .args(["serve", "--listen", "127.0.0.1:0", "--config", "keel.toml"])
-            .args(["--db", "sqlite://keel.db", "--lease-ms", LEASE_MS])
+            .args(["--db", db, "--lease-ms", LEASE_MS])
             .current_dir(dir)
             .env_remove("KEEL_TOKEN")
             .env_remove("KEEL_CONFIG")
@@ -269,7 +315,7 @@ async fn backlog(client: &Client, session: SessionId) -> u32 {
 /// Clients acting on the sessions until `stop`: prompts (queued or steering) and
 /// interrupts, a few milliseconds apart.
 async fn act(
-    client: Client,
+    clients: Vec<Client>,
     sessions: Vec<SessionId>,
     ledger: Ledger,
     mut rng: Rng,
@@ -277,10 +323,12 @@ async fn act(
 ) {
     while !stop.load(Ordering::SeqCst) {
         let session = sessions[rng.below(sessions.len() as u64) as usize];
+        // Any node admits and interrupts; the claim decides which one runs the session.
+        let client = &clients[rng.below(clients.len() as u64) as usize];
         match rng.below(10) {
             // Clients wait for the session to catch up, so the backlog (and the final
             // wait for idle) stays bounded however long the campaign runs.
-            0..=5 if backlog(&client, session).await >= MAX_BACKLOG => {}
+            0..=5 if backlog(client, session).await >= MAX_BACKLOG => {}
             0..=5 => {
                 let delivery = if rng.below(3) == 0 {
                     Delivery::Steer
@@ -318,7 +366,7 @@ async fn act(
     }
 }
 
-async fn campaign(binary: &Path, dir: &Path, options: &Options) -> Result<Vec<String>> {
+async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Result<Vec<String>> {
     let side_file = dir.join("executions.log");
     std::fs::write(dir.join("script.json"), script(&side_file).to_string())?;
     std::fs::write(
@@ -327,7 +375,10 @@ async fn campaign(binary: &Path, dir: &Path, options: &Options) -> Result<Vec<St
          script = \"script.json\"\n",
     )?;
     let mut rng = Rng(options.seed);
-    let mut keel = Keel::start(binary, dir)?;
+    let numbered = |n: usize| (options.nodes > 1).then_some(n);
+    let mut nodes = (0..options.nodes)
+        .map(|n| Keel::start(binary, dir, db, numbered(n)))
+        .collect::<Result<Vec<_>>>()?;
     let mut sessions = Vec::new();
     for i in 0..options.sessions {
         let directory = dir.join("sessions").join(i.to_string());
@@ -336,7 +387,7 @@ async fn campaign(binary: &Path, dir: &Path, options: &Options) -> Result<Vec<St
             directory.join("notes.txt"),
             format!("notes of session {i}\n"),
         )?;
-        let session = keel
+        let session = nodes[i % nodes.len()]
             .client
             .create_session(&CreateSession {
                 directory: Some(directory.display().to_string()),
@@ -348,12 +399,13 @@ async fn campaign(binary: &Path, dir: &Path, options: &Options) -> Result<Vec<St
 
     let ledger: Ledger = Arc::new(Mutex::new(Vec::new()));
     for iteration in 1..=options.iterations {
-        retry_unacknowledged(&keel.client, &ledger).await;
+        retry_unacknowledged(&nodes[0].client, &ledger).await;
         let stop = Arc::new(AtomicBool::new(false));
+        let clients: Vec<Client> = nodes.iter().map(|n| n.client.clone()).collect();
         let actors: Vec<_> = (0..3)
             .map(|_| {
                 tokio::spawn(act(
-                    keel.client.clone(),
+                    clients.clone(),
                     sessions.clone(),
                     ledger.clone(),
                     Rng(rng.next()),
@@ -363,15 +415,19 @@ async fn campaign(binary: &Path, dir: &Path, options: &Options) -> Result<Vec<St
             .collect();
         let alive = Duration::from_millis(100 + rng.below(1_400));
         tokio::time::sleep(alive).await;
-        keel.kill()?;
+        let victim = rng.below(nodes.len() as u64) as usize;
+        let killed = nodes.remove(victim);
+        killed.kill()?;
         stop.store(true, Ordering::SeqCst);
         for actor in actors {
             actor.await?;
         }
         let sent = lock(&ledger).len();
-        println!("kill {iteration}: after {alive:?}, {sent} prompts sent so far");
-        keel = Keel::start(binary, dir)?;
+        let which = numbered(victim).map_or_else(String::new, |n| format!(" of node {n}"));
+        println!("kill {iteration}{which}: after {alive:?}, {sent} prompts sent so far");
+        nodes.insert(victim, Keel::start(binary, dir, db, numbered(victim))?);
     }
+    let keel = nodes.remove(0);
 
     // Every prompt whose answer a kill swallowed is sent again with its id: Keel admits it
     // once either way.
@@ -411,6 +467,9 @@ async fn campaign(binary: &Path, dir: &Path, options: &Options) -> Result<Vec<St
         }
     }
     keel.kill()?;
+    for node in nodes {
+        node.kill()?;
+    }
     println!(
         "{} kills, {} sessions, {} violations ({} prompts, {} bash runs)",
         options.iterations,

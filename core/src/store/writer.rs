@@ -5,6 +5,9 @@
 //! SQLite, so it never fails to upgrade a read lock), runs each write in its own savepoint,
 //! commits, and only then tells each caller its result. A write whose closure fails rolls
 //! back to its savepoint and leaves the others intact; a failed commit fails them all.
+//! When the transaction cannot even begin (the database dropped the connection: a
+//! restart, a failover), no write has run, so the writer reconnects, waiting for the
+//! database as long as it takes, and tries the same writes once more.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -144,7 +147,25 @@ fn run(
         stats
             .writes
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        carried = run_batch(&mut connection, batch, fail);
+        carried = match run_batch(&mut connection, batch, fail) {
+            Ran::Carry(jobs) => jobs,
+            // Nothing ran: a connection the database dropped (a restart, a failover) is
+            // replaced and the same writes are tried once more on the new one.
+            Ran::NotBegun(jobs, message) => {
+                tracing::warn!(%message, writes = jobs.len(), "could not begin a write batch; reconnecting");
+                connection = reconnect(&settings);
+                match run_batch(&mut connection, jobs, fail) {
+                    Ran::Carry(jobs) => jobs,
+                    Ran::NotBegun(jobs, message) => {
+                        tracing::error!(%message, writes = jobs.len(), "write batch failed");
+                        for job in jobs {
+                            job.fail(&message);
+                        }
+                        Vec::new()
+                    }
+                }
+            }
+        };
 
         if <Conn as Connection>::TransactionManager::is_broken_transaction_manager(&mut connection)
         {
@@ -154,19 +175,22 @@ fn run(
     tracing::debug!(url = %settings.url, "store writer stopped");
 }
 
-/// Runs one batch. Returns the writes it did not get to (after a panic), to run next.
-fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Vec<Job> {
+/// What running a batch left to do.
+enum Ran {
+    /// The writes it did not get to (after a panic), to run next.
+    Carry(Vec<Job>),
+    /// The transaction could not begin, so no write ran: all of them, and why.
+    NotBegun(Vec<Job>, String),
+}
+
+/// Runs one batch.
+fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Ran {
     let began = match connection {
         Conn::Sqlite(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE"),
         Conn::Pg(c) => AnsiTransactionManager::begin_transaction(c),
     };
     if let Err(e) = began {
-        let message = format!("could not begin a transaction: {e}");
-        tracing::error!(%message, writes = batch.len(), "write batch failed");
-        for job in batch {
-            job.fail(&message);
-        }
-        return Vec::new();
+        return Ran::NotBegun(batch, format!("could not begin a transaction: {e}"));
     }
 
     let mut finishes: Vec<Finish> = Vec::with_capacity(batch.len());
@@ -190,7 +214,7 @@ fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Vec<Job> {
         for finish in finishes {
             finish(Some("another write in the same transaction panicked"));
         }
-        return jobs.collect();
+        return Ran::Carry(jobs.collect());
     }
 
     if fail {
@@ -198,7 +222,7 @@ fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Vec<Job> {
         for finish in finishes {
             finish(Some("a failpoint made this commit fail"));
         }
-        return Vec::new();
+        return Ran::Carry(Vec::new());
     }
     match <Conn as Connection>::TransactionManager::commit_transaction(connection) {
         Ok(()) => {
@@ -215,7 +239,7 @@ fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Vec<Job> {
             }
         }
     }
-    Vec::new()
+    Ran::Carry(Vec::new())
 }
 
 fn rollback_all(connection: &mut Conn) {
