@@ -12,9 +12,10 @@
 //!   own streams, so a client may follow any session through any node. A notification
 //!   lost to a broken connection costs latency, not events: log streams re-read the log
 //!   periodically.
-//! - `keel_route`: a wake or an interrupt for a session whose claim another node holds
-//!   goes to that node (`{"to", "session", "kind"}`), which carries it out as if it had
-//!   been asked directly. A wake for a session nobody holds is taken locally.
+//! - `keel_route`: a wake, an interrupt or a reply to a permission request or question,
+//!   for a session whose claim another node holds, goes to that node (`{"to",
+//!   "session", "kind"}`), which carries it out as if it had been asked directly. A wake
+//!   for a session nobody holds is taken locally.
 //!
 //! The connection is polled every [`POLL`]: libpq's notifications arrive on its socket,
 //! which diesel does not expose for waiting, and a 20 ms poll costs one non-blocking read.
@@ -26,14 +27,14 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel::sql_types::Text;
 use keel_schema::api;
-use keel_schema::id::{OwnerId, SessionId};
+use keel_schema::id::{OwnerId, RequestId, SessionId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use crate::coordinator::Scope;
-use crate::runner::{Live, Runner};
-use crate::store::schema::{node, session_execution};
+use crate::runner::{Live, Reply, Runner};
+use crate::store::schema::{event, node, session_execution};
 use crate::store::{self, Conn, Store};
 
 /// How often the bus connection is polled for notifications and outgoing messages.
@@ -42,8 +43,11 @@ pub const POLL: Duration = Duration::from_millis(20);
 /// The channel of committed events.
 const LOG_CHANNEL: &str = "keel_log";
 
-/// The channel of routed wakes and interrupts.
+/// The channel of routed wakes, interrupts and replies.
 const ROUTE_CHANNEL: &str = "keel_route";
+
+/// The longest notification payload: PostgreSQL's limit is 8000 bytes.
+const MAX_PAYLOAD: usize = 7_900;
 
 /// What a node says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,11 +188,16 @@ pub async fn keep_registered(
 }
 
 /// What a routed message asks of its node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RouteKind {
     Wake,
     Interrupt,
+    /// A reply to a permission request or a question the node's runner waits for.
+    Reply {
+        request: RequestId,
+        reply: Reply,
+    },
 }
 
 /// A wake or interrupt for the node that holds a session's claim.
@@ -235,12 +244,18 @@ impl Bus {
         bus
     }
 
-    /// Sends `route` to the node it names.
-    pub fn route(&self, route: &Route) {
-        match serde_json::to_string(route) {
-            Ok(payload) => self.send(ROUTE_CHANNEL, payload),
-            Err(e) => tracing::error!(error = %e, "a route did not serialize"),
+    /// Sends `route` to the node it names. Fails when it does not fit in a notification
+    /// (a very long answer to a question, say).
+    pub fn route(&self, route: &Route) -> Result<(), String> {
+        let payload = serde_json::to_string(route).map_err(|e| e.to_string())?;
+        if payload.len() > MAX_PAYLOAD {
+            return Err(format!(
+                "the message is {} bytes; at most {MAX_PAYLOAD} can go to another node",
+                payload.len()
+            ));
         }
+        self.send(ROUTE_CHANNEL, payload);
+        Ok(())
     }
 
     fn send(&self, channel: &'static str, payload: String) {
@@ -251,11 +266,14 @@ impl Bus {
 
 impl crate::runner::Router for Bus {
     fn wake_elsewhere(&self, owner: OwnerId, session: SessionId) {
-        self.route(&Route {
+        let wake = Route {
             to: owner,
             session,
             kind: RouteKind::Wake,
-        });
+        };
+        if let Err(e) = self.route(&wake) {
+            tracing::error!(error = %e, "a wake could not be routed");
+        }
     }
 }
 
@@ -415,6 +433,11 @@ impl Receiver {
                 RouteKind::Interrupt => {
                     runner.interrupt(route.session).await;
                 }
+                RouteKind::Reply { request, reply } => {
+                    if !runner.reply(request, reply) {
+                        tracing::warn!(%request, "a routed reply found nobody waiting");
+                    }
+                }
             }
         });
     }
@@ -436,4 +459,32 @@ pub fn claim_owner(
                 .map_err(|e| store::Error::Corrupt(format!("claim owner {o}: {e}")))
         })
         .transpose()
+}
+
+/// Whether `request` was asked in `session` (a permission request or a question) and
+/// not yet answered.
+pub fn awaits_reply(
+    connection: &mut Conn,
+    session: SessionId,
+    request: RequestId,
+) -> Result<bool, store::Error> {
+    let rows: Vec<(String, String)> = event::table
+        .filter(event::session_id.eq(session.to_string()))
+        .filter(event::type_name.eq_any([
+            "session.next.permission.requested",
+            "session.next.permission.replied",
+            "session.next.question.asked",
+            "session.next.question.answered",
+            "session.next.question.dismissed",
+        ]))
+        .filter(event::data.like(format!("%{request}%")))
+        .select((event::type_name, event::data))
+        .load(connection)?;
+    let asked = rows
+        .iter()
+        .any(|(kind, _)| kind.ends_with(".requested") || kind.ends_with(".asked"));
+    let answered = rows
+        .iter()
+        .any(|(kind, _)| !(kind.ends_with(".requested") || kind.ends_with(".asked")));
+    Ok(asked && !answered)
 }

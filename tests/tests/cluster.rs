@@ -2,16 +2,17 @@
 //! server `KEEL_TEST_POSTGRES_URL` names; skipped, saying so, without it): sessions
 //! admitted through different nodes, the node running them killed mid-step and taken
 //! over exactly once by a survivor, a client following the log through a third node
-//! seeing every event once, a paused owner fenced out when it resumes, and a node that
-//! loses every database connection mid-run going on without losing anything.
+//! seeing every event once, a paused owner fenced out when it resumes, an interrupt and
+//! a permission reply sent through a node that does not run the session, and a node
+//! that loses every database connection mid-run going on without losing anything.
 
 use std::time::Duration;
 
 use futures::StreamExt;
-use keel_client::schema::api::{LogItem, PromptRequest};
+use keel_client::schema::api::{LogItem, PermissionReply, PromptRequest};
 use keel_client::schema::event::{DurableEvent, Envelope};
 use keel_client::schema::id::{OwnerId, SessionId};
-use keel_client::schema::types::{Delivery, Outcome};
+use keel_client::schema::types::{Decision, Delivery, Outcome};
 use keel_client::{Client, LogOptions, LogStream};
 use keel_tests::{PostgresDb, Server};
 use serde_json::json;
@@ -321,4 +322,64 @@ async fn an_interrupt_through_another_node_reaches_the_node_running_the_session(
     let status = c2.session_status(session).await.unwrap();
     assert!(!status.busy, "{status:?}");
     drop((first, second));
+}
+
+#[tokio::test]
+async fn a_permission_answered_through_another_node_reaches_the_waiting_runner() {
+    let Some(db) = PostgresDb::fresh("a_permission_answered_through_another_node") else {
+        return;
+    };
+    let config = format!("{CONFIG}[agent.build.permissions]\nwrite = \"ask\"\n");
+    let script = json!({ "responses": [
+        { "items": [{ "type": "tool_call", "name": "write", "input": {
+            "path": "note.txt", "content": "approved elsewhere"
+        }}]},
+        { "items": [{ "type": "text", "text": "Written." }] }
+    ]})
+    .to_string();
+    let start = || {
+        Server::start_on(
+            Some(&db.url),
+            &[("keel.toml", &config), ("script.json", &script)],
+            &["--config", "keel.toml", "--lease-ms", "1500"],
+        )
+    };
+    let (first, second) = (start(), start());
+    let (c1, c2) = (
+        Client::new(&first.base_url).unwrap(),
+        Client::new(&second.base_url).unwrap(),
+    );
+    let session = c1.create_session(&Default::default()).await.unwrap().id;
+    let mut log = c2.session_log(session, 0);
+    c1.prompt(session, &PromptRequest::text("write it"))
+        .await
+        .unwrap();
+    let seen = read_until(&mut log, |e| {
+        matches!(e.event, DurableEvent::PermissionRequested(_))
+    })
+    .await;
+    let request = seen
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::PermissionRequested(r) => Some(r.request_id),
+            _ => None,
+        })
+        .unwrap();
+    let once = PermissionReply {
+        decision: Decision::Once,
+    };
+    assert!(
+        c2.reply_permission(session, request, &once)
+            .await
+            .unwrap()
+            .accepted
+    );
+    read_until(&mut log, |e| text_ended(e, "Written.")).await;
+    assert_eq!(
+        std::fs::read_to_string(first.directory().join("note.txt")).unwrap(),
+        "approved elsewhere"
+    );
+    // Answered: a second reply, through either node, finds nobody waiting.
+    assert!(c2.reply_permission(session, request, &once).await.is_err());
+    drop(second);
 }

@@ -152,7 +152,8 @@ pub trait Router: Send + Sync {
 }
 
 /// A reply to a permission request or a question.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Reply {
     Permission(Decision),
     Answer(String),

@@ -343,12 +343,12 @@ pub async fn interrupt(
         .await?;
     let routed = match (holder, &state.bus) {
         (Some(holder), Some(bus)) if holder != state.runner.owner() => {
-            bus.route(&cluster::Route {
+            let interrupt = cluster::Route {
                 to: holder,
                 session: id,
                 kind: cluster::RouteKind::Interrupt,
-            });
-            true
+            };
+            bus.route(&interrupt).is_ok()
         }
         _ => false,
     };
@@ -373,13 +373,42 @@ pub async fn resume(
     Ok((StatusCode::ACCEPTED, Json(status)))
 }
 
-fn delivered(state: &AppState, request: RequestId, reply: Reply) -> Result<Json<Accepted>> {
-    if state.runner.reply(request, reply) {
-        Ok(Json(Accepted { accepted: true }))
-    } else {
-        Err(ApiError::not_found(format!(
-            "no request {request} is waiting in this process"
-        )))
+/// Hands `reply` to the runner waiting for it: in this process, or on the node that
+/// runs the session.
+async fn delivered(
+    state: &AppState,
+    session: SessionId,
+    request: RequestId,
+    reply: Reply,
+) -> Result<Json<Accepted>> {
+    if state.runner.reply(request, reply.clone()) {
+        return Ok(Json(Accepted { accepted: true }));
+    }
+    let not_waiting = || ApiError::not_found(format!("no request {request} is waiting"));
+    let Some(bus) = &state.bus else {
+        return Err(not_waiting());
+    };
+    let (holder, waits) = state
+        .store
+        .read(move |c| {
+            Ok::<_, store::Error>((
+                cluster::claim_owner(c, session)?,
+                cluster::awaits_reply(c, session, request)?,
+            ))
+        })
+        .await?;
+    match holder {
+        Some(holder) if waits && holder != state.runner.owner() => {
+            let route = cluster::Route {
+                to: holder,
+                session,
+                kind: cluster::RouteKind::Reply { request, reply },
+            };
+            bus.route(&route)
+                .map_err(|e| ApiError::new(ErrorType::PayloadTooLarge, e))?;
+            Ok(Json(Accepted { accepted: true }))
+        }
+        _ => Err(not_waiting()),
     }
 }
 
@@ -391,7 +420,7 @@ pub async fn reply_permission(
     let (id, request) = ids(path)?;
     let Json(body) = body?;
     existing(&state, id).await?;
-    delivered(&state, request, Reply::Permission(body.decision))
+    delivered(&state, id, request, Reply::Permission(body.decision)).await
 }
 
 pub async fn reply_question(
@@ -412,7 +441,7 @@ pub async fn reply_question(
             ));
         }
     };
-    delivered(&state, request, reply)
+    delivered(&state, id, request, reply).await
 }
 
 pub async fn messages(
