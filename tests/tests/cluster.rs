@@ -383,3 +383,21 @@ async fn a_permission_answered_through_another_node_reaches_the_waiting_runner()
     assert!(c2.reply_permission(session, request, &once).await.is_err());
     drop(second);
 }
+
+#[test]
+fn an_unreachable_database_at_start_is_a_clear_error() {
+    // Port 1 on the loopback: nothing listens there.
+    let output = std::process::Command::new(keel_tests::keel_binary())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["--db", "postgres://keel@127.0.0.1:1/keel"])
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("keel runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("could not open the database at postgres://keel@127.0.0.1:1/keel")
+            && stderr.contains("Connection refused"),
+        "{stderr}"
+    );
+}
