@@ -8,6 +8,10 @@
 //! all joined before the step settles. A hosted call left unresolved at the end of the
 //! stream fails. Each step ends in exactly one of `step.ended`, `step.failed` or
 //! `step.interrupted`.
+//!
+//! Before any output a retryable provider failure is sent again after a backoff
+//! ([`super::retry`]), and a context overflow compacts the history once and sends the
+//! request again ([`super::compaction`]); after output, a failure is the step's error.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -181,9 +185,9 @@ impl Engine {
                                     let e = provider::Error::Incomplete(
                                         "the stream ended before any output".into(),
                                     );
-                                    match self.settings.retry.delay(retries + 1, &e) {
-                                        Some(wait) => retry = Some((e, wait)),
-                                        None => failure = Some(e),
+                                    match self.retry_or_fail(e, retries, output_started) {
+                                        Ok(next) => retry = Some(next),
+                                        Err(e) => failure = Some(e),
                                     }
                                     stream_open = false;
                                     break;
@@ -200,12 +204,9 @@ impl Engine {
                                     break;
                                 }
                                 Some(Err(e)) => {
-                                    let wait = (!output_started)
-                                        .then(|| self.settings.retry.delay(retries + 1, &e))
-                                        .flatten();
-                                    match wait {
-                                        Some(wait) => retry = Some((e, wait)),
-                                        None => failure = Some(e),
+                                    match self.retry_or_fail(e, retries, output_started) {
+                                        Ok(next) => retry = Some(next),
+                                        Err(e) => failure = Some(e),
                                     }
                                     stream_open = false;
                                     break;
@@ -369,6 +370,23 @@ impl Engine {
             .collect();
         specs.push(question_spec());
         specs
+    }
+
+    /// A provider failure and the wait before sending the request again, or the failure
+    /// as final: after output began, or when the policy gives up.
+    fn retry_or_fail(
+        &self,
+        error: provider::Error,
+        retries: u32,
+        output_started: bool,
+    ) -> Result<(provider::Error, Duration), provider::Error> {
+        if output_started {
+            return Err(error);
+        }
+        match self.settings.retry.delay(retries + 1, &error) {
+            Some(wait) => Ok((error, wait)),
+            None => Err(error),
+        }
     }
 
     /// Publishes `retry.scheduled` for retry number `retry` after `error` and waits
