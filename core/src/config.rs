@@ -9,6 +9,9 @@
 //! kind = "openai"
 //! base_url = "http://127.0.0.1:8080/v1"   # optional; OpenAI's endpoint otherwise
 //! api_key_env = "LOCAL_KEY"      # optional; OPENAI_API_KEY otherwise, none for a base_url
+//! [provider.anthropic]
+//! kind = "anthropic"             # ANTHROPIC_API_KEY
+//! thinking_budget = 8000         # optional: extended thinking
 //! [model."demo/scripted"]
 //! context = 128000
 //! output = 8192
@@ -58,6 +61,8 @@ pub struct ProviderConfig {
     pub api_key_env: Option<String>,
     /// For `scripted`: a JSON script file, relative to the config file.
     pub script: Option<PathBuf>,
+    /// For `anthropic`: turns extended thinking on with this many tokens for it.
+    pub thinking_budget: Option<u32>,
 }
 
 impl ProviderConfig {
@@ -132,6 +137,7 @@ impl Default for Config {
                     base_url: None,
                     api_key_env: None,
                     script: None,
+                    thinking_budget: None,
                 },
             )]),
             model: HashMap::new(),
@@ -181,6 +187,12 @@ impl Config {
     pub fn providers(&self) -> Result<HashMap<String, Arc<dyn Provider>>, Error> {
         let mut built: HashMap<String, Arc<dyn Provider>> = HashMap::new();
         for (name, provider) in &self.provider {
+            if provider.thinking_budget.is_some() && provider.kind != "anthropic" {
+                return Err(Error::Invalid(format!(
+                    "provider `{name}`: thinking_budget is an anthropic setting, not {}",
+                    provider.kind
+                )));
+            }
             let adapter: Arc<dyn Provider> = match provider.kind.as_str() {
                 "scripted" => match &provider.script {
                     None => Arc::new(Scripted::demo()),
@@ -203,10 +215,16 @@ impl Config {
                     provider.base_url.clone(),
                     provider.api_key(name, "OPENAI_API_KEY")?,
                 )),
-                "anthropic" => Arc::new(Anthropic::new(
-                    provider.base_url.clone(),
-                    provider.api_key(name, "ANTHROPIC_API_KEY")?,
-                )),
+                "anthropic" => {
+                    let adapter = Anthropic::new(
+                        provider.base_url.clone(),
+                        provider.api_key(name, "ANTHROPIC_API_KEY")?,
+                    );
+                    Arc::new(match provider.thinking_budget {
+                        Some(budget) => adapter.with_thinking(budget),
+                        None => adapter,
+                    })
+                }
                 other => {
                     return Err(Error::Invalid(format!(
                         "provider `{name}` has unknown kind `{other}` (scripted, openai, anthropic)"
@@ -308,6 +326,23 @@ mod tests {
         .unwrap();
         let err = config.providers().err().unwrap().to_string();
         assert!(err.contains("KEEL_TEST_VARIABLE_THAT_IS_NOT_SET"), "{err}");
+    }
+
+    #[test]
+    fn thinking_is_an_anthropic_setting() {
+        let config = Config::parse(
+            "default_model = \"a/claude\"\n[provider.a]\nkind = \"anthropic\"\n\
+             base_url = \"http://127.0.0.1:9/\"\nthinking_budget = 4000",
+        )
+        .unwrap();
+        assert!(config.providers().unwrap().contains_key("a"));
+        let misplaced = Config::parse(
+            "default_model = \"o/m\"\n[provider.o]\nkind = \"openai\"\n\
+             base_url = \"http://127.0.0.1:9/v1\"\nthinking_budget = 4000",
+        )
+        .unwrap();
+        let err = misplaced.providers().err().unwrap().to_string();
+        assert!(err.contains("thinking_budget"), "{err}");
     }
 
     #[test]
