@@ -55,6 +55,18 @@ impl OpenAi {
     }
 }
 
+impl OpenAi {
+    /// OpenAI's own API takes the output limit as `max_completion_tokens` (its reasoning
+    /// models refuse `max_tokens`); compatible servers know `max_tokens`.
+    fn limit_field(&self) -> &'static str {
+        if self.base_url.starts_with("https://api.openai.com") {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        }
+    }
+}
+
 impl std::fmt::Debug for OpenAi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The key never reaches a log.
@@ -70,7 +82,7 @@ impl Provider for OpenAi {
         let mut builder = self
             .client
             .post(format!("{}/chat/completions", self.base_url))
-            .json(&body(&request));
+            .json(&body(&request, self.limit_field()));
         if let Some(key) = &self.api_key {
             builder = builder.bearer_auth(key);
         }
@@ -97,8 +109,8 @@ fn is_overflow(status: StatusCode, body: &str) -> bool {
     .any(|sign| body.contains(sign))
 }
 
-/// The request body.
-fn body(request: &Request) -> Value {
+/// The request body; `limit_field` names the output limit.
+fn body(request: &Request, limit_field: &str) -> Value {
     let mut messages = vec![json!({"role": "system", "content": request.system})];
     let mut hosted: Vec<&str> = Vec::new();
     for turn in &request.turns {
@@ -140,7 +152,7 @@ fn body(request: &Request) -> Value {
         .into();
     }
     if let Some(max) = request.max_output_tokens {
-        body["max_tokens"] = max.into();
+        body[limit_field] = max.into();
     }
     body
 }
@@ -506,5 +518,36 @@ fn stream_error(error: WireError) -> Error {
     Error::Server {
         status: 500,
         message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_schema::types::ModelRef;
+
+    use super::*;
+
+    #[test]
+    fn the_output_limit_is_named_as_the_server_expects() {
+        assert_eq!(
+            OpenAi::new(None, None).limit_field(),
+            "max_completion_tokens"
+        );
+        let local = OpenAi::new(Some("http://127.0.0.1:8080/v1/".into()), None);
+        assert_eq!(local.limit_field(), "max_tokens");
+        let request = Request {
+            model: ModelRef {
+                provider: "local".into(),
+                id: "llama".into(),
+            },
+            system: String::new(),
+            turns: Vec::new(),
+            tools: Vec::new(),
+            tool_choice: ToolChoice::Auto,
+            max_output_tokens: Some(100),
+        };
+        let sent = body(&request, local.limit_field());
+        assert_eq!(sent["max_tokens"], 100);
+        assert!(sent.get("tools").is_none(), "no tools, no tool_choice");
     }
 }
