@@ -1,15 +1,18 @@
-//! Store benchmarks: durable events per second on SQLite.
+//! Store benchmarks: durable events per second, and the raw driver's ceiling.
 //!
 //! Run through `cargo xtask bench`, which collects the `BENCH {json}` lines this prints.
-//! Each figure is the median of several runs; the raw SQLite figures use the same driver
-//! and the same durability settings, so Keel's figures can be read as a share of them.
+//! Each figure is the median of several runs; the raw figures use the same driver and the
+//! same durability settings in the same process, so Keel's figures can be read as a share
+//! of them.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Instant;
 
+use common::{Backend, Database, flags, median, report, runtime};
 use diesel::connection::SimpleConnection;
-use diesel::{Connection, RunQueryDsl, SqliteConnection};
-use keel_core::store::{DbUrl, Options, Store, Synchronous};
+use diesel::{Connection, PgConnection, RunQueryDsl, SqliteConnection};
+use keel_core::store::{DbUrl, Synchronous};
 use keel_schema::event::{DurableEvent, payload};
 use keel_schema::id::SessionId;
 use keel_schema::types::ModelRef;
@@ -41,22 +44,10 @@ fn renamed(n: usize) -> DurableEvent {
     })
 }
 
-async fn open(dir: &tempfile::TempDir, synchronous: Synchronous) -> Store {
-    Store::open(
-        DbUrl::Sqlite(dir.path().join("keel.db")),
-        Options {
-            synchronous,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("opening the bench database")
-}
-
 /// Events per second appending one event at a time, each awaited (one commit each).
-async fn single(plan: &Plan, synchronous: Synchronous) -> f64 {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, synchronous).await;
+async fn single(plan: &Plan, backend: Backend) -> f64 {
+    let database = Database::new(backend);
+    let store = database.open().await;
     let session = SessionId::new();
     store.append(session, vec![created()]).await.unwrap();
     let start = Instant::now();
@@ -67,10 +58,10 @@ async fn single(plan: &Plan, synchronous: Synchronous) -> f64 {
 }
 
 /// Events per second with one task per session appending one event at a time, all at once:
-/// the writer commits what is waiting together.
-async fn group(plan: &Plan, synchronous: Synchronous) -> (f64, f64) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, synchronous).await;
+/// the writer commits what is waiting together. Also returns the writes per transaction.
+async fn group(plan: &Plan, backend: Backend) -> (f64, f64) {
+    let database = Database::new(backend);
+    let store = database.open().await;
     let mut sessions = Vec::new();
     for _ in 0..plan.group_sessions {
         let session = SessionId::new();
@@ -103,69 +94,70 @@ async fn group(plan: &Plan, synchronous: Synchronous) -> (f64, f64) {
     )
 }
 
-/// Rows per second inserted through diesel's SQLite driver with Keel's pragmas and an
+/// Inserts `$total` rows, `$per_commit` per transaction begun by `$begin`, and returns
+/// rows per second. A macro, not a function: the two connection types share no trait that
+/// carries `sql_query` with its binds.
+macro_rules! insert_loop {
+    ($connection:expr, $per_commit:expr, $total:expr, $begin:ident) => {{
+        let data = json!({"title": "title 1"}).to_string();
+        let start = Instant::now();
+        let mut seq = 0i64;
+        while (seq as usize) < $total {
+            $connection
+                .$begin::<_, diesel::result::Error, _>(|c| {
+                    for _ in 0..$per_commit {
+                        seq += 1;
+                        diesel::sql_query(
+                            "INSERT INTO event (session_id, seq, id, type, version, data, time) \
+                             VALUES ('ses_bench', $1, $2, 'session.next.renamed', 1, $3, 0)",
+                        )
+                        .bind::<diesel::sql_types::BigInt, _>(seq)
+                        .bind::<diesel::sql_types::Text, _>(format!("evt_{seq}"))
+                        .bind::<diesel::sql_types::Text, _>(&data)
+                        .execute(c)?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+        }
+        $total as f64 / start.elapsed().as_secs_f64()
+    }};
+}
+
+const RAW_TABLE: &str = "CREATE TABLE event (session_id TEXT NOT NULL, seq BIGINT NOT NULL, \
+    id TEXT NOT NULL UNIQUE, type TEXT NOT NULL, version INTEGER NOT NULL, data TEXT NOT NULL, \
+    time BIGINT NOT NULL, PRIMARY KEY (session_id, seq));";
+
+/// Rows per second inserted through the same diesel driver with Keel's settings and an
 /// event-sized row, `per_commit` rows per transaction: the ceiling for the same durability.
-fn raw(synchronous: Synchronous, per_commit: usize, total: usize) -> f64 {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("raw.db");
-    let mut connection = SqliteConnection::establish(path.to_str().unwrap()).unwrap();
-    let sync = match synchronous {
-        Synchronous::Normal => "NORMAL",
-        Synchronous::Full => "FULL",
-    };
-    connection
-        .batch_execute(&format!(
-            "PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync}; PRAGMA busy_timeout = 5000;
-             CREATE TABLE event (session_id TEXT NOT NULL, seq BIGINT NOT NULL, id TEXT NOT NULL
-               UNIQUE, type TEXT NOT NULL, version INTEGER NOT NULL, data TEXT NOT NULL,
-               time BIGINT NOT NULL, PRIMARY KEY (session_id, seq));"
-        ))
-        .unwrap();
-    let data = json!({"title": "title 1"}).to_string();
-    let start = Instant::now();
-    let mut seq = 0i64;
-    while (seq as usize) < total {
-        connection
-            .immediate_transaction::<_, diesel::result::Error, _>(|c| {
-                for _ in 0..per_commit {
-                    seq += 1;
-                    diesel::sql_query(
-                        "INSERT INTO event (session_id, seq, id, type, version, data, time) \
-                         VALUES ('ses_bench', ?, ?, 'session.next.renamed', 1, ?, 0)",
-                    )
-                    .bind::<diesel::sql_types::BigInt, _>(seq)
-                    .bind::<diesel::sql_types::Text, _>(format!("evt_{seq}"))
-                    .bind::<diesel::sql_types::Text, _>(&data)
-                    .execute(c)?;
-                }
-                Ok(())
-            })
-            .unwrap();
+fn raw(backend: Backend, per_commit: usize, total: usize) -> f64 {
+    let database = Database::new(backend);
+    match (&database.url, backend) {
+        (DbUrl::Sqlite(path), Backend::Sqlite(synchronous)) => {
+            let mut connection = SqliteConnection::establish(path.to_str().unwrap()).unwrap();
+            let sync = match synchronous {
+                Synchronous::Normal => "NORMAL",
+                Synchronous::Full => "FULL",
+            };
+            connection
+                .batch_execute(&format!(
+                    "PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync}; \
+                     PRAGMA busy_timeout = 5000; {RAW_TABLE}"
+                ))
+                .unwrap();
+            insert_loop!(connection, per_commit, total, immediate_transaction)
+        }
+        (DbUrl::Postgres(url), _) => {
+            let mut connection = PgConnection::establish(url).unwrap();
+            connection.batch_execute(RAW_TABLE).unwrap();
+            insert_loop!(connection, per_commit, total, transaction)
+        }
+        _ => unreachable!("a database is made for its own backend"),
     }
-    total as f64 / start.elapsed().as_secs_f64()
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
-fn report(figure: &str, value: f64, unit: &str, runs: usize, settings: &str) {
-    println!(
-        "BENCH {}",
-        json!({
-            "figure": figure,
-            "value": (value * 10.0).round() / 10.0,
-            "unit": unit,
-            "backend": "sqlite",
-            "runs": runs,
-            "settings": settings,
-        })
-    );
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let (quick, postgres) = flags();
     let plan = if quick {
         Plan {
             runs: 3,
@@ -181,82 +173,87 @@ fn main() {
             group_events_per_session: 50,
         }
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let runtime = Arc::new(runtime);
+    let runtime = runtime();
     let group_total = plan.group_sessions * plan.group_events_per_session;
-    for synchronous in [Synchronous::Full, Synchronous::Normal] {
-        let settings = match synchronous {
-            Synchronous::Full => "synchronous=FULL, WAL",
-            Synchronous::Normal => "synchronous=NORMAL, WAL",
-        };
-        let singles: Vec<f64> = (0..plan.runs)
-            .map(|_| runtime.block_on(single(&plan, synchronous)))
+    let runs = plan.runs;
+    for backend in Backend::chosen(postgres) {
+        let singles: Vec<f64> = (0..runs)
+            .map(|_| runtime.block_on(single(&plan, backend)))
             .collect();
+        let single_rate = median(&singles);
         report(
             "append, one event per commit",
-            median(singles),
+            single_rate,
             "events/s",
-            plan.runs,
-            settings,
+            backend,
+            runs,
+            "",
         );
 
-        let groups: Vec<(f64, f64)> = (0..plan.runs)
-            .map(|_| runtime.block_on(group(&plan, synchronous)))
+        let groups: Vec<(f64, f64)> = (0..runs)
+            .map(|_| runtime.block_on(group(&plan, backend)))
             .collect();
-        let group_rate = median(groups.iter().map(|g| g.0).collect());
-        let per_batch = median(groups.iter().map(|g| g.1).collect());
+        let group_rate = median(&groups.iter().map(|g| g.0).collect::<Vec<_>>());
+        let per_batch = median(&groups.iter().map(|g| g.1).collect::<Vec<_>>());
+        let sessions = plan.group_sessions;
         report(
-            &format!(
-                "append, group commit across {} sessions",
-                plan.group_sessions
-            ),
+            &format!("append, group commit across {sessions} sessions"),
             group_rate,
             "events/s",
-            plan.runs,
-            settings,
+            backend,
+            runs,
+            "",
         );
         report(
             "group commit, writes per transaction",
             per_batch,
             "writes",
-            plan.runs,
-            settings,
+            backend,
+            runs,
+            "",
         );
 
         let raw_single = median(
-            (0..plan.runs)
-                .map(|_| raw(synchronous, 1, plan.single_events))
-                .collect(),
+            &(0..runs)
+                .map(|_| raw(backend, 1, plan.single_events))
+                .collect::<Vec<_>>(),
         );
         report(
-            "raw SQLite insert, one per commit",
+            "raw insert, one per commit",
             raw_single,
             "rows/s",
-            plan.runs,
-            settings,
+            backend,
+            runs,
+            "",
         );
         let raw_group = median(
-            (0..plan.runs)
-                .map(|_| raw(synchronous, plan.group_sessions, group_total))
-                .collect(),
+            &(0..runs)
+                .map(|_| raw(backend, sessions, group_total))
+                .collect::<Vec<_>>(),
         );
         report(
-            &format!("raw SQLite insert, {} per commit", plan.group_sessions),
+            &format!("raw insert, {sessions} per commit"),
             raw_group,
             "rows/s",
-            plan.runs,
-            settings,
+            backend,
+            runs,
+            "",
+        );
+        report(
+            "single append / raw one-per-commit ceiling",
+            100.0 * single_rate / raw_single,
+            "%",
+            backend,
+            runs,
+            "",
         );
         report(
             "group commit / raw batched ceiling",
             100.0 * group_rate / raw_group,
             "%",
-            plan.runs,
-            settings,
+            backend,
+            runs,
+            "",
         );
     }
 }

@@ -3,7 +3,8 @@
 //! - `regenerate`: writes every generated file (contracts and the client's endpoint layer).
 //! - `check`: fails, naming each file, when a generated file is stale, when the catalog and
 //!   `contracts/events/` disagree, or when a published event version's schema changed.
-//! - `bench [--quick]`: runs the benchmarks, prints a table, writes `target/bench/latest.json`.
+//! - `bench [--quick] [--postgres] [--only store|runner|server]`: runs the benchmarks, prints a
+//!   table, writes `target/bench/latest.json`.
 //! - `crash [--iterations N] [--seed S] [--sessions M]`: kills a real `keel serve` at
 //!   random moments under load and checks that nothing was lost or run twice.
 
@@ -19,7 +20,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use keel_codegen::{EVENTS_DIR, File, check, generate};
 
-const USAGE: &str = "usage: cargo xtask <regenerate|check|bench [--quick]|crash [--iterations N] [--seed S] [--sessions M]>";
+const USAGE: &str = "usage: cargo xtask <regenerate|check|bench [--quick] [--postgres]|crash [--iterations N] [--seed S] [--sessions M]>";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -3,10 +3,19 @@
 //! [`append`] assigns each event the next `seq` of its session, an id and a time, runs the
 //! projector for it and inserts it, all inside the caller's transaction: events appended
 //! together commit together, and a projector error rolls them all back. The session row's
-//! `last_seq` is the counter; it is updated (locking the row on PostgreSQL) before any
+//! `last_seq` is the counter; it is advanced (locking the row on PostgreSQL) before any
 //! event is numbered, so concurrent appends to one session serialize.
+//!
+//! Appending is the hottest write Keel has, so its statements are few and prepared once:
+//! one statement advances the counter and returns it ([`Advance`]), then each event costs
+//! its projection and its insert. Lookups by key use `get_result`, not `first`, whose
+//! bound `LIMIT` makes SQLite recompile the statement at every use.
 
+use diesel::backend::Backend;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::serialize::ToSql;
+use diesel::sql_types::{BigInt, HasSqlType, Text};
 use keel_schema::event::{DurableEvent, Envelope, RawEvent};
 use keel_schema::id::{EventId, SessionId};
 
@@ -37,14 +46,45 @@ pub fn append(
     let Some(first) = events.first() else {
         return Ok(Vec::new());
     };
-    let creates = matches!(first, DurableEvent::Created(_));
-    let base = match lock_session(connection, session_id)? {
-        Some(_) if creates => return Err(Error::SessionExists(session_id)),
-        Some((_, Some(_deleted_at))) => return Err(Error::SessionDeleted(session_id)),
-        Some((last_seq, None)) => last_seq,
-        None if creates => 0,
-        None => return Err(Error::SessionNotFound(session_id)),
+    if matches!(first, DurableEvent::Created(_)) {
+        if lock_session(connection, session_id)?.is_some() {
+            return Err(Error::SessionExists(session_id));
+        }
+        let appended = number(connection, now, session_id, 0, events)?;
+        let last = appended.last().map_or(0, |e| e.seq);
+        set_last_seq(connection, session_id, last, now)?;
+        return Ok(appended);
+    }
+    // The counter moves first, in one statement that also takes the row lock and checks
+    // the session is live; an error below rolls it back with the events.
+    let count = db_int(events.len() as u64)?;
+    let id = session_id.to_string();
+    let advanced = Advance {
+        session_id: &id,
+        by: count,
+        now,
+    }
+    .get_result::<i64>(connection)
+    .optional()?;
+    let Some(last) = advanced else {
+        // Nothing was changed: say why.
+        return Err(match lock_session(connection, session_id)? {
+            Some(_) => Error::SessionDeleted(session_id),
+            None => Error::SessionNotFound(session_id),
+        });
     };
+    let base = from_db_int(last - count)?;
+    number(connection, now, session_id, base, events)
+}
+
+/// Numbers `events` after `base`, projects and inserts each.
+fn number(
+    connection: &mut Conn,
+    now: i64,
+    session_id: SessionId,
+    base: u64,
+    events: Vec<DurableEvent>,
+) -> Result<Vec<Envelope>, Error> {
     let mut appended = Vec::with_capacity(events.len());
     for (offset, event) in (1u64..).zip(events) {
         let envelope = Envelope {
@@ -57,10 +97,51 @@ pub fn append(
         apply(connection, &envelope)?;
         appended.push(envelope);
     }
-    let last = appended.last().map_or(base, |e| e.seq);
-    set_last_seq(connection, session_id, last, now)?;
     Ok(appended)
 }
+
+/// `UPDATE session SET last_seq = last_seq + by, time_updated = now WHERE id = session_id
+/// AND deleted_at IS NULL RETURNING last_seq`: reserves `by` seqs of a live session and
+/// returns the last of them, or no row for a deleted or unknown session.
+///
+/// Written as its own query type because diesel prepares every `UPDATE` it builds afresh
+/// (it cannot know the shape of an update is fixed), while a query whose type says it is
+/// always the same SQL is prepared once per connection and reused.
+#[derive(Debug, Clone, Copy)]
+struct Advance<'a> {
+    session_id: &'a str,
+    by: i64,
+    now: i64,
+}
+
+impl QueryId for Advance<'_> {
+    type QueryId = Advance<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<DB> QueryFragment<DB> for Advance<'_>
+where
+    DB: Backend + HasSqlType<BigInt> + HasSqlType<Text>,
+    i64: ToSql<BigInt, DB>,
+    str: ToSql<Text, DB>,
+{
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
+        out.push_sql(r#"UPDATE "session" SET "last_seq" = "last_seq" + "#);
+        out.push_bind_param::<BigInt, _>(&self.by)?;
+        out.push_sql(r#", "time_updated" = "#);
+        out.push_bind_param::<BigInt, _>(&self.now)?;
+        out.push_sql(r#" WHERE "id" = "#);
+        out.push_bind_param::<Text, _>(self.session_id)?;
+        out.push_sql(r#" AND "deleted_at" IS NULL RETURNING "last_seq""#);
+        Ok(())
+    }
+}
+
+impl Query for Advance<'_> {
+    type SqlType = BigInt;
+}
+
+impl<C> RunQueryDsl<C> for Advance<'_> {}
 
 /// Adds events that already have their id, seq and time (a replay or an import) to the
 /// log, projecting each. They must continue the session's log without a gap.
@@ -114,7 +195,7 @@ fn lock_session(
     let (last_seq, deleted_at) = session::table
         .find(&id)
         .select((session::last_seq, session::deleted_at))
-        .first::<(i64, Option<i64>)>(connection)?;
+        .get_result::<(i64, Option<i64>)>(connection)?;
     Ok(Some((from_db_int(last_seq)?, deleted_at)))
 }
 
@@ -190,11 +271,10 @@ pub fn read_raw(
     after: u64,
     limit: u32,
 ) -> Result<Vec<RawEvent>, Error> {
-    let rows: Vec<EventRow> = event::table
+    let query = event::table
         .filter(event::session_id.eq(session_id.to_string()))
         .filter(event::seq.gt(db_int(after)?))
         .order(event::seq.asc())
-        .limit(i64::from(limit))
         .select((
             event::session_id,
             event::seq,
@@ -203,8 +283,19 @@ pub fn read_raw(
             event::version,
             event::data,
             event::time,
-        ))
-        .load(connection)?;
+        ));
+    let rows: Vec<EventRow> = if matches!(connection, Conn::Sqlite(_)) {
+        // SQLite recompiles a statement at every use once its `LIMIT` is a bound
+        // parameter; it steps rows only as they are read, so stopping early costs the
+        // same and keeps the statement prepared.
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        query
+            .load_iter::<EventRow, diesel::connection::DefaultLoadingMode>(connection)?
+            .take(limit)
+            .collect::<Result<_, _>>()?
+    } else {
+        query.limit(i64::from(limit)).load(connection)?
+    };
     rows.into_iter().map(raw_from_row).collect()
 }
 
@@ -234,7 +325,7 @@ pub fn last_seq(connection: &mut Conn, session_id: SessionId) -> Result<Option<u
     session::table
         .find(session_id.to_string())
         .select(session::last_seq)
-        .first::<i64>(connection)
+        .get_result::<i64>(connection)
         .optional()?
         .map(from_db_int)
         .transpose()

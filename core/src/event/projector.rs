@@ -8,8 +8,16 @@
 //!   step still unresolved, in the same transaction.
 //! - Usage and cost totals of a session accumulate from `step.ended` and `step.failed`.
 //! - Nothing here reads the clock or generates ids: replaying the log reproduces every row.
+//!
+//! Rows are found by primary key with `get_result`, never `first`: `first` adds a bound
+//! `LIMIT`, and SQLite recompiles a statement whose `LIMIT` parameter was bound again, so
+//! every such lookup would be parsed and planned anew.
 
+use diesel::backend::Backend;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::serialize::ToSql;
+use diesel::sql_types::{HasSqlType, Text};
 use keel_schema::api::{AssistantPart, InputStatus, Message, StepEnd, ToolStatus};
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{CallId, InputId, MessageId, SessionId};
@@ -415,7 +423,7 @@ impl Projection<'_> {
         let row: Option<(String, String)> = session_message::table
             .find(id.to_string())
             .select((session_message::session_id, session_message::data))
-            .first(self.connection)
+            .get_result(self.connection)
             .optional()?;
         let Some((owner, data)) = row else {
             return Err(self.refuse(format!("no message {id}")));
@@ -444,9 +452,11 @@ impl Projection<'_> {
         let value = change(&mut view).map_err(|reason| self.refuse(reason))?;
         let data = serde_json::to_string(&message)
             .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
-        diesel::update(session_message::table.find(id.to_string()))
-            .set(session_message::data.eq(data))
-            .execute(self.connection)?;
+        SetMessageData {
+            id: &id.to_string(),
+            data: &data,
+        }
+        .execute(self.connection)?;
         Ok(value)
     }
 
@@ -605,7 +615,7 @@ impl Projection<'_> {
         Ok(session_tool::table
             .find((self.session().to_string(), call_id.to_string()))
             .select((session_tool::message_id, session_tool::status))
-            .first::<(String, String)>(self.connection)
+            .get_result::<(String, String)>(self.connection)
             .optional()?
             .map(|(message_id, status)| ToolRow { message_id, status }))
     }
@@ -727,6 +737,39 @@ impl Projection<'_> {
     }
 }
 
+/// `UPDATE session_message SET data = $data WHERE id = $id`: how every event of a step
+/// stores its assistant message, so the hottest statement of the projector.
+///
+/// Its own query type, because diesel prepares every `UPDATE` it builds afresh (it cannot
+/// know an update's shape is fixed), while a query whose type says it is always the same
+/// SQL is prepared once per connection and reused.
+#[derive(Debug, Clone, Copy)]
+struct SetMessageData<'a> {
+    id: &'a str,
+    data: &'a str,
+}
+
+impl QueryId for SetMessageData<'_> {
+    type QueryId = SetMessageData<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<DB> QueryFragment<DB> for SetMessageData<'_>
+where
+    DB: Backend + HasSqlType<Text>,
+    str: ToSql<Text, DB>,
+{
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
+        out.push_sql(r#"UPDATE "session_message" SET "data" = "#);
+        out.push_bind_param::<Text, _>(self.data)?;
+        out.push_sql(r#" WHERE "id" = "#);
+        out.push_bind_param::<Text, _>(self.id)?;
+        Ok(())
+    }
+}
+
+impl<C> RunQueryDsl<C> for SetMessageData<'_> {}
+
 /// The editable parts of an assistant message.
 struct AssistantView<'a> {
     parts: &'a mut Vec<AssistantPart>,
@@ -809,7 +852,7 @@ impl InputRow {
         Ok(session_input::table
             .find(id.to_string())
             .select(Self::as_select())
-            .first(connection)
+            .get_result(connection)
             .optional()?)
     }
 
@@ -893,7 +936,7 @@ pub fn session_info(
             session::model_id,
             session::deleted_at,
         ))
-        .first::<(String, String, String, String, Option<i64>)>(connection)
+        .get_result::<(String, String, String, String, Option<i64>)>(connection)
         .optional()?
         .map(|(directory, agent, provider, id, deleted)| SessionInfo {
             directory,
@@ -999,7 +1042,7 @@ pub fn session(
         .find(session_id.to_string())
         .filter(session::deleted_at.is_null())
         .select(session_columns!())
-        .first::<SessionRow>(connection)
+        .get_result::<SessionRow>(connection)
         .optional()?
         .map(api_session)
         .transpose()
@@ -1021,7 +1064,7 @@ pub fn sessions(
         let created: Option<i64> = session::table
             .find(cursor.to_string())
             .select(session::time_created)
-            .first(connection)
+            .get_result(connection)
             .optional()?;
         let Some(created) = created else {
             return Ok(Vec::new());

@@ -5,6 +5,12 @@
 //! SQLite, so it never fails to upgrade a read lock), runs each write in its own savepoint,
 //! commits, and only then tells each caller its result. A write whose closure fails rolls
 //! back to its savepoint and leaves the others intact; a failed commit fails them all.
+//!
+//! A batch of one write needs no savepoint: if it fails, the whole transaction is rolled
+//! back instead, which undoes exactly that write. Writes arriving one at a time (a single
+//! session's runner, say) are the common case, and the two statements saved are a good
+//! share of such a write's cost.
+//!
 //! When the transaction cannot even begin (the database dropped the connection: a
 //! restart, a failover), no write has run, so the writer reconnects, waiting for the
 //! database as long as it takes, and tries the same writes once more.
@@ -26,8 +32,10 @@ type Finish = Box<dyn FnOnce(Option<&str>) + Send>;
 
 /// One write waiting for the writer.
 trait Write: Send {
-    /// Runs inside the batch transaction; returns how to report the result after commit.
-    fn run(self: Box<Self>, connection: &mut Conn) -> Finish;
+    /// Runs inside the batch transaction, in its own savepoint when `savepoint`; returns
+    /// whether it succeeded and how to report the result after commit. Without a
+    /// savepoint, a failed write leaves the transaction for the caller to roll back.
+    fn run(self: Box<Self>, connection: &mut Conn, savepoint: bool) -> (bool, Finish);
     /// Reports that the write never ran.
     fn fail(self: Box<Self>, message: &str);
 }
@@ -45,18 +53,24 @@ where
     E: From<Error> + From<diesel::result::Error> + Send + 'static,
     F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
 {
-    fn run(self: Box<Self>, connection: &mut Conn) -> Finish {
+    fn run(self: Box<Self>, connection: &mut Conn, savepoint: bool) -> (bool, Finish) {
         let Pending { write, reply } = *self;
-        // Inside the batch transaction this is a savepoint: an Err undoes this write only.
-        let result = connection.transaction(write);
-        Box::new(move |commit_failure: Option<&str>| {
+        let result = if savepoint {
+            // Inside the batch transaction this is a savepoint: an Err undoes this write only.
+            connection.transaction(write)
+        } else {
+            write(connection)
+        };
+        let succeeded = result.is_ok();
+        let finish = Box::new(move |commit_failure: Option<&str>| {
             let result = match commit_failure {
                 None => result,
                 Some(message) => Err(E::from(Error::CommitFailed(message.to_owned()))),
             };
             // The caller may have stopped waiting; the write's fate is settled either way.
             drop(reply.send(result));
-        })
+        });
+        (succeeded, finish)
     }
 
     fn fail(self: Box<Self>, message: &str) {
@@ -194,11 +208,16 @@ fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Ran {
     }
 
     let mut finishes: Vec<Finish> = Vec::with_capacity(batch.len());
+    let savepoints = batch.len() > 1;
+    let mut alone_failed = false;
     let mut jobs = batch.into_iter();
     let mut panicked = false;
     for job in jobs.by_ref() {
-        match catch_unwind(AssertUnwindSafe(|| job.run(connection))) {
-            Ok(finish) => finishes.push(finish),
+        match catch_unwind(AssertUnwindSafe(|| job.run(connection, savepoints))) {
+            Ok((succeeded, finish)) => {
+                alone_failed = !savepoints && !succeeded;
+                finishes.push(finish);
+            }
             Err(_) => {
                 panicked = true;
                 break;
@@ -215,6 +234,16 @@ fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Ran {
             finish(Some("another write in the same transaction panicked"));
         }
         return Ran::Carry(jobs.collect());
+    }
+
+    if alone_failed {
+        // The only write failed without a savepoint: undoing the transaction undoes it,
+        // and its caller hears its own error.
+        rollback_all(connection);
+        for finish in finishes {
+            finish(None);
+        }
+        return Ran::Carry(Vec::new());
     }
 
     if fail {
