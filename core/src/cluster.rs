@@ -414,7 +414,7 @@ impl Receiver {
         });
     }
 
-    /// A wake or interrupt for this node.
+    /// A wake, an interrupt or a reply for this node.
     fn routed(&self, payload: &str) {
         let route: Route = match serde_json::from_str(payload) {
             Ok(route) => route,
@@ -441,24 +441,6 @@ impl Receiver {
             }
         });
     }
-}
-
-/// The owner of `session`'s claim, if any.
-pub fn claim_owner(
-    connection: &mut Conn,
-    session: SessionId,
-) -> Result<Option<OwnerId>, store::Error> {
-    let owner: Option<String> = session_execution::table
-        .filter(session_execution::session_id.eq(session.to_string()))
-        .select(session_execution::owner_id)
-        .first(connection)
-        .optional()?;
-    owner
-        .map(|o| {
-            o.parse()
-                .map_err(|e| store::Error::Corrupt(format!("claim owner {o}: {e}")))
-        })
-        .transpose()
 }
 
 /// Whether `request` was asked in `session` (a permission request or a question) and

@@ -11,7 +11,7 @@ use keel_schema::api::{
     QuestionReply, Session, SessionList, SessionStatus, UpdateSession,
 };
 use keel_schema::event::{DurableEvent, Envelope, payload};
-use keel_schema::id::{RequestId, SessionId};
+use keel_schema::id::{OwnerId, RequestId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef};
 
 use super::{ApiError, AppState};
@@ -198,10 +198,7 @@ pub async fn delete_session(
 ) -> Result<StatusCode> {
     let id = session_id(path)?;
     existing(&state, id).await?;
-    let claimed = state
-        .store
-        .read(move |c| cluster::claim_owner(c, id))
-        .await?;
+    let claimed = state.store.read(move |c| claim_holder(c, id)).await?;
     if state.runner.is_busy(id) || claimed.is_some() {
         return Err(ApiError::new(
             ErrorType::Conflict,
@@ -337,10 +334,7 @@ pub async fn interrupt(
         return Ok(Json(InterruptResponse { interrupted: true }));
     }
     // Another node may be running it: the interrupt goes there.
-    let holder = state
-        .store
-        .read(move |c| cluster::claim_owner(c, id))
-        .await?;
+    let holder = state.store.read(move |c| claim_holder(c, id)).await?;
     let routed = match (holder, &state.bus) {
         (Some(holder), Some(bus)) if holder != state.runner.owner() => {
             let interrupt = cluster::Route {
@@ -373,6 +367,14 @@ pub async fn resume(
     Ok((StatusCode::ACCEPTED, Json(status)))
 }
 
+/// The owner of the session's claim, whichever node it is.
+fn claim_holder(
+    c: &mut store::Conn,
+    id: SessionId,
+) -> std::result::Result<Option<OwnerId>, store::Error> {
+    Ok(execution::get(c, id)?.map(|row| row.claim.owner_id))
+}
+
 /// Hands `reply` to the runner waiting for it: in this process, or on the node that
 /// runs the session.
 async fn delivered(
@@ -392,7 +394,7 @@ async fn delivered(
         .store
         .read(move |c| {
             Ok::<_, store::Error>((
-                cluster::claim_owner(c, session)?,
+                claim_holder(c, session)?,
                 cluster::awaits_reply(c, session, request)?,
             ))
         })
