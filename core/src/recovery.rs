@@ -1,6 +1,7 @@
 //! Recovery: taking over executions whose owner died, exactly once.
 //!
-//! A pass runs at start and then every half lease ([`run`]). It
+//! A pass runs at start and then every half lease, or at once again while the previous
+//! pass found a full batch ([`run`]). It
 //! 1. selects expired claims that are not quarantined, a bounded batch
 //!    ([`BATCH_SIZE`]) in the order of `session_execution_recovery_scan_idx`;
 //! 2. validates each row; a row that cannot be trusted (unknown phase, an assistant that
@@ -52,7 +53,7 @@ macro_rules! selected {
 }
 
 /// Claims examined per pass; the rest wait for the next pass.
-pub const BATCH_SIZE: i64 = 64;
+pub const BATCH_SIZE: i64 = 256;
 
 /// Recoveries of one session in a row after which its execution fails instead.
 pub const MAX_ATTEMPTS: usize = 10;
@@ -73,6 +74,9 @@ pub struct Report {
     pub quarantined: Vec<(String, String)>,
     /// Sessions with pending, requested work and no claim, woken again.
     pub redriven: Vec<SessionId>,
+    /// The pass found a full batch of expired claims: more may be waiting, so the next
+    /// pass should start at once.
+    pub backlog: bool,
 }
 
 impl Report {
@@ -102,25 +106,31 @@ enum Recovered {
     Quarantine(String),
 }
 
-/// Runs a pass now and then every half lease until `shutdown`.
+/// Runs a pass now and then every half lease until `shutdown`; while a pass finds a full
+/// batch (a backlog, after a crash that left many sessions), the next starts at once.
 pub async fn run(runner: Runner, lease_ms: i64, shutdown: CancellationToken) {
     let period = Duration::from_millis(u64::try_from(lease_ms / 2).unwrap_or(1).max(1));
     let mut recovery = Recovery::default();
     loop {
+        let mut backlog = false;
         match recovery.pass(&runner).await {
-            Ok(report) if !report.is_empty() => tracing::info!(
-                recovered = report.recovered.len(),
-                exhausted = report.exhausted.len(),
-                quarantined = report.quarantined.len(),
-                redriven = report.redriven.len(),
-                "recovery pass"
-            ),
+            Ok(report) if !report.is_empty() => {
+                backlog = report.backlog;
+                tracing::info!(
+                    recovered = report.recovered.len(),
+                    exhausted = report.exhausted.len(),
+                    quarantined = report.quarantined.len(),
+                    redriven = report.redriven.len(),
+                    "recovery pass"
+                );
+            }
             Ok(_) => {}
             Err(e) => tracing::error!(error = %e, "a recovery pass failed; retrying next period"),
         }
+        let pause = if backlog { Duration::ZERO } else { period };
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(period) => {}
+            () = tokio::time::sleep(pause) => {}
         }
     }
 }
@@ -166,13 +176,18 @@ pub async fn settle_abandoned(
     let mut report = Report::default();
     let now = store.clock().now_ms();
     let candidates = store.read(move |c| expired(c, now)).await?;
-    for candidate in candidates {
-        let id = candidate.id.clone();
+    report.backlog = candidates.len() >= BATCH_SIZE as usize;
+    // Every settlement is submitted at once, so the writer commits the batch together (one
+    // fsync, not one per claim); each runs in its own savepoint, so one that fails leaves
+    // the others settled.
+    let settlements = candidates.iter().map(|candidate| {
         let clock = store.clock().clone();
         let attempt = candidate.clone();
-        let recovered = store
-            .write(move |c| recover(c, clock.now_ms(), &attempt))
-            .await;
+        store.write(move |c| recover(c, clock.now_ms(), &attempt))
+    });
+    let outcomes = futures::future::join_all(settlements).await;
+    for (candidate, recovered) in candidates.into_iter().zip(outcomes) {
+        let id = candidate.id.clone();
         match recovered {
             Ok(Recovered::Continued(session, envelopes)) => {
                 announce(&envelopes);
