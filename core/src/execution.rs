@@ -17,7 +17,11 @@
 //! node's clock: Keel assumes clock skew between nodes plus scheduling delay stays well
 //! below the lease (default 30 s). See `docs/execution.md`.
 
+use diesel::backend::Backend;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::serialize::ToSql;
+use diesel::sql_types::{BigInt, HasSqlType, Text};
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{ExecutionId, MessageId, OwnerId, SessionId};
 use keel_schema::types::{ErrorInfo, Outcome, Phase};
@@ -185,14 +189,18 @@ pub fn acquire(
 
 /// The fence alone: renews the claim if and only if `claim` still owns an unexpired lease.
 pub fn check(connection: &mut Conn, now: i64, lease_ms: i64, claim: &Claim) -> Result<(), Error> {
-    let updated = diesel::update(
-        session_execution::table
-            .filter(session_execution::id.eq(claim.id.to_string()))
-            .filter(session_execution::session_id.eq(claim.session_id.to_string()))
-            .filter(session_execution::owner_id.eq(claim.owner_id.to_string()))
-            .filter(session_execution::expires_at.gt(now)),
-    )
-    .set(session_execution::expires_at.eq(now + lease_ms))
+    let (id, session_id, owner_id) = (
+        claim.id.to_string(),
+        claim.session_id.to_string(),
+        claim.owner_id.to_string(),
+    );
+    let updated = Renew {
+        id: &id,
+        session_id: &session_id,
+        owner_id: &owner_id,
+        now,
+        expires_at: now + lease_ms,
+    }
     .execute(connection)?;
     if updated == 1 {
         Ok(())
@@ -203,6 +211,49 @@ pub fn check(connection: &mut Conn, now: i64, lease_ms: i64, claim: &Claim) -> R
         })
     }
 }
+
+/// The fence's statement: `UPDATE session_execution SET expires_at = ? WHERE id = ? AND
+/// session_id = ? AND owner_id = ? AND expires_at > now`.
+///
+/// Every durable write of a step runs it, so it is written as its own query type: diesel
+/// prepares an `UPDATE` it builds afresh every time, while a query whose type says its SQL
+/// never changes is prepared once per connection (as `event::log` does for the seq
+/// counter).
+struct Renew<'a> {
+    id: &'a str,
+    session_id: &'a str,
+    owner_id: &'a str,
+    now: i64,
+    expires_at: i64,
+}
+
+impl QueryId for Renew<'_> {
+    type QueryId = Renew<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<DB> QueryFragment<DB> for Renew<'_>
+where
+    DB: Backend + HasSqlType<BigInt> + HasSqlType<Text>,
+    i64: ToSql<BigInt, DB>,
+    str: ToSql<Text, DB>,
+{
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
+        out.push_sql(r#"UPDATE "session_execution" SET "expires_at" = "#);
+        out.push_bind_param::<BigInt, _>(&self.expires_at)?;
+        out.push_sql(r#" WHERE "id" = "#);
+        out.push_bind_param::<Text, _>(self.id)?;
+        out.push_sql(r#" AND "session_id" = "#);
+        out.push_bind_param::<Text, _>(self.session_id)?;
+        out.push_sql(r#" AND "owner_id" = "#);
+        out.push_bind_param::<Text, _>(self.owner_id)?;
+        out.push_sql(r#" AND "expires_at" > "#);
+        out.push_bind_param::<BigInt, _>(&self.now)?;
+        Ok(())
+    }
+}
+
+impl<C> RunQueryDsl<C> for Renew<'_> {}
 
 /// Runs `write` behind the fence, in the caller's transaction: the fence first, then the
 /// write. Any error rolls both back.

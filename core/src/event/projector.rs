@@ -13,11 +13,13 @@
 //! `LIMIT`, and SQLite recompiles a statement whose `LIMIT` parameter was bound again, so
 //! every such lookup would be parsed and planned anew.
 
+use std::collections::HashMap;
+
 use diesel::backend::Backend;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::serialize::ToSql;
-use diesel::sql_types::{HasSqlType, Text};
+use diesel::sql_types::{BigInt, HasSqlType, Text};
 use keel_schema::api::{AssistantPart, InputStatus, Message, StepEnd, ToolStatus};
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{CallId, InputId, MessageId, SessionId};
@@ -402,6 +404,7 @@ impl Projection<'_> {
                 session_message::seq.eq(self.seq()?),
                 session_message::role.eq(role),
                 session_message::data.eq(data),
+                session_message::updated_seq.eq(self.seq()?),
             ))
             .execute(self.connection)
             .map_err(|err| match err {
@@ -455,6 +458,7 @@ impl Projection<'_> {
         SetMessageData {
             id: &id.to_string(),
             data: &data,
+            seq: self.seq()?,
         }
         .execute(self.connection)?;
         Ok(value)
@@ -737,8 +741,9 @@ impl Projection<'_> {
     }
 }
 
-/// `UPDATE session_message SET data = $data WHERE id = $id`: how every event of a step
-/// stores its assistant message, so the hottest statement of the projector.
+/// `UPDATE session_message SET data = $data, updated_seq = $seq WHERE id = $id`: how
+/// every event of a step stores its assistant message, so the hottest statement of the
+/// projector.
 ///
 /// Its own query type, because diesel prepares every `UPDATE` it builds afresh (it cannot
 /// know an update's shape is fixed), while a query whose type says it is always the same
@@ -747,6 +752,7 @@ impl Projection<'_> {
 struct SetMessageData<'a> {
     id: &'a str,
     data: &'a str,
+    seq: i64,
 }
 
 impl QueryId for SetMessageData<'_> {
@@ -756,12 +762,15 @@ impl QueryId for SetMessageData<'_> {
 
 impl<DB> QueryFragment<DB> for SetMessageData<'_>
 where
-    DB: Backend + HasSqlType<Text>,
+    DB: Backend + HasSqlType<Text> + HasSqlType<BigInt>,
     str: ToSql<Text, DB>,
+    i64: ToSql<BigInt, DB>,
 {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
         out.push_sql(r#"UPDATE "session_message" SET "data" = "#);
         out.push_bind_param::<Text, _>(self.data)?;
+        out.push_sql(r#", "updated_seq" = "#);
+        out.push_bind_param::<BigInt, _>(&self.seq)?;
         out.push_sql(r#" WHERE "id" = "#);
         out.push_bind_param::<Text, _>(self.id)?;
         Ok(())
@@ -911,6 +920,68 @@ pub fn messages(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Mess
             serde_json::from_str(&data).map_err(|e| Error::Corrupt(format!("message {id}: {e}")))
         })
         .collect()
+}
+
+/// A session's transcript held in memory and brought up to date by reading only the
+/// messages written since the last read (`session_message.updated_seq`), so a long run
+/// does not decode its whole history before every step.
+#[derive(Debug, Default)]
+pub struct Transcript {
+    messages: Vec<Message>,
+    /// Each message's position in `messages`, and its seq.
+    index: HashMap<String, usize>,
+    last_seq: i64,
+    /// The highest `updated_seq` read so far.
+    through: i64,
+}
+
+impl Transcript {
+    /// The messages, in seq order, as of the last [`Transcript::refresh`].
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
+    }
+
+    /// Reads the messages of `session_id` written since the last refresh. A session's
+    /// writes commit in seq order, so every message not read yet has a higher
+    /// `updated_seq` than any read, and a new message a higher seq than any held. Returns
+    /// how many messages were read.
+    pub fn refresh(
+        &mut self,
+        connection: &mut Conn,
+        session_id: SessionId,
+    ) -> Result<usize, Error> {
+        let rows: Vec<(String, i64, i64, String)> = session_message::table
+            .filter(session_message::session_id.eq(session_id.to_string()))
+            .filter(session_message::updated_seq.gt(self.through))
+            .order(session_message::seq.asc())
+            .select((
+                session_message::id,
+                session_message::seq,
+                session_message::updated_seq,
+                session_message::data,
+            ))
+            .load(connection)?;
+        let read = rows.len();
+        for (id, seq, updated_seq, data) in rows {
+            let message: Message = serde_json::from_str(&data)
+                .map_err(|e| Error::Corrupt(format!("message {id}: {e}")))?;
+            self.through = self.through.max(updated_seq);
+            match self.index.get(&id) {
+                Some(&position) => self.messages[position] = message,
+                None if seq > self.last_seq => {
+                    self.index.insert(id, self.messages.len());
+                    self.messages.push(message);
+                    self.last_seq = seq;
+                }
+                // Not expected (see above); reading everything again keeps the order right.
+                None => {
+                    *self = Transcript::default();
+                    return self.refresh(connection, session_id);
+                }
+            }
+        }
+        Ok(read)
+    }
 }
 
 /// What the runner needs of a session row.

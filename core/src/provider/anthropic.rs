@@ -82,12 +82,12 @@ impl std::fmt::Debug for Anthropic {
 }
 
 impl Provider for Anthropic {
-    fn stream(&self, request: Request) -> EventStream {
+    fn stream(&self, request: &Request) -> EventStream {
         let mut builder = self
             .client
             .post(format!("{}/v1/messages", self.base_url))
             .header("anthropic-version", API_VERSION)
-            .json(&request::body(&request, self.thinking_budget));
+            .json(&request::body(request, self.thinking_budget));
         if let Some(key) = &self.api_key {
             builder = builder.header("x-api-key", key);
         }

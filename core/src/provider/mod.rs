@@ -50,6 +50,61 @@ pub enum Turn {
     },
 }
 
+impl Turn {
+    fn approximate_chars(&self) -> usize {
+        match self {
+            Turn::User { parts } => parts
+                .iter()
+                .map(|part| match part {
+                    Part::Text { text } => text.len(),
+                    Part::File { mime, url, .. } => mime.len() + url.len(),
+                })
+                .sum(),
+            Turn::Assistant { items } => items
+                .iter()
+                .map(|item| match item {
+                    AssistantItem::Text(text) | AssistantItem::Reasoning { text, .. } => text.len(),
+                    AssistantItem::ToolCall { name, input, .. } => name.len() + json_len(input),
+                })
+                .sum(),
+            Turn::ToolResults { results } => results
+                .iter()
+                .map(|result| {
+                    let output = match &result.output {
+                        Ok(content) => content
+                            .iter()
+                            .map(|c| match c {
+                                ToolContent::Text { text } => text.len(),
+                                ToolContent::Media { data, .. } => data.len(),
+                            })
+                            .sum(),
+                        Err(error) => error.message.len(),
+                    };
+                    output + result.provider_result.as_ref().map_or(0, json_len)
+                })
+                .sum(),
+        }
+    }
+}
+
+/// The length of `value` as compact JSON, counted without building the string.
+pub(crate) fn json_len(value: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing into a counter cannot fail.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
 /// Part of an assistant turn, replayed to the provider.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AssistantItem {
@@ -90,6 +145,19 @@ pub struct Request {
 }
 
 impl Request {
+    /// A rough size of what the request sends, in characters: the system prompt and every
+    /// turn's text, inputs and results (tool definitions are not counted). About four
+    /// characters make a token; for estimates only (automatic compaction, the scripted
+    /// model's usage), computed without building the request's text.
+    pub fn approximate_chars(&self) -> usize {
+        self.system.len()
+            + self
+                .turns
+                .iter()
+                .map(Turn::approximate_chars)
+                .sum::<usize>()
+    }
+
     /// How many assistant turns the transcript holds.
     pub fn assistant_turns(&self) -> usize {
         self.turns
@@ -207,5 +275,5 @@ pub type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Error>> + Send>>;
 /// An LLM provider.
 pub trait Provider: Send + Sync {
     /// Starts a request. Nothing is sent until the stream is first polled.
-    fn stream(&self, request: Request) -> EventStream;
+    fn stream(&self, request: &Request) -> EventStream;
 }

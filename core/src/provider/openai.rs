@@ -78,11 +78,11 @@ impl std::fmt::Debug for OpenAi {
 }
 
 impl Provider for OpenAi {
-    fn stream(&self, request: Request) -> EventStream {
+    fn stream(&self, request: &Request) -> EventStream {
         let mut builder = self
             .client
             .post(format!("{}/chat/completions", self.base_url))
-            .json(&body(&request, self.limit_field()));
+            .json(&body(request, self.limit_field()));
         if let Some(key) = &self.api_key {
             builder = builder.bearer_auth(key);
         }

@@ -162,21 +162,15 @@ fn split(text: &str, chunks: usize) -> Vec<String> {
 
 fn usage_for(request: &Request, output: &str) -> Usage {
     // A stand-in count (about four characters a token) so totals move like a real model's.
-    let input: usize = request
-        .turns
-        .iter()
-        .map(|t| format!("{t:?}").len())
-        .sum::<usize>()
-        + request.system.len();
     Usage {
-        input: (input / 4) as u64,
+        input: (request.approximate_chars() / 4) as u64,
         output: (output.len() / 4) as u64,
         ..Usage::default()
     }
 }
 
 impl Provider for Scripted {
-    fn stream(&self, request: Request) -> EventStream {
+    fn stream(&self, request: &Request) -> EventStream {
         let responses = &self.script.responses;
         let Some(response) = responses
             .get(request.assistant_turns())
@@ -321,7 +315,7 @@ impl Provider for Scripted {
                     break;
                 }
                 Item::Finish { reason, usage } => {
-                    let usage = usage.unwrap_or_else(|| usage_for(&request, &said));
+                    let usage = usage.unwrap_or_else(|| usage_for(request, &said));
                     push(
                         &mut steps,
                         &mut delay,
@@ -341,7 +335,7 @@ impl Provider for Scripted {
             } else {
                 Finish::Stop
             };
-            let usage = usage_for(&request, &said);
+            let usage = usage_for(request, &said);
             push(&mut steps, &mut delay, Ok(Event::Finish { finish, usage }));
         }
         Box::pin(

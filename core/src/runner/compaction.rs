@@ -70,13 +70,12 @@ pub fn needs_compaction(estimate: u64, limits: ModelLimits) -> bool {
 /// A rough token count of a request: about four characters a token, over everything
 /// that is sent.
 pub fn estimate_tokens(request: &provider::Request) -> u64 {
-    let turns: usize = request.turns.iter().map(|t| format!("{t:?}").len()).sum();
     let tools: usize = request
         .tools
         .iter()
-        .map(|t| t.name.len() + t.description.len() + t.input_schema.to_string().len())
+        .map(|t| t.name.len() + t.description.len() + provider::json_len(&t.input_schema))
         .sum();
-    u64::try_from((request.system.len() + turns + tools) / 4).unwrap_or(u64::MAX)
+    u64::try_from((request.approximate_chars() + tools) / 4).unwrap_or(u64::MAX)
 }
 
 impl Engine {
@@ -145,7 +144,7 @@ impl Engine {
             max_output_tokens: self.limits(&info.model).map(|l| saturate(l.output)),
         };
 
-        let mut stream = provider.stream(request);
+        let mut stream = provider.stream(&request);
         let mut summary = String::new();
         let mut usage: Option<Usage> = None;
         let failure = loop {

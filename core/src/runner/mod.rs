@@ -28,7 +28,8 @@ use tokio::sync::{broadcast, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::coordinator::{BoxFuture, Coordinator, Request, RunError, Scope, Work};
-use crate::event::{log, projector};
+use crate::event::log;
+use crate::event::projector::{self, Transcript};
 use crate::execution::{self, Claim};
 use crate::inbox::{self, Boundary, Promotion};
 use crate::provider::Provider;
@@ -510,18 +511,24 @@ impl Engine {
         let mut boundary = Boundary::Idle;
         let mut step_number = 0u32;
         let mut first = true;
+        // Held across steps and brought up to date at each boundary, in the boundary's
+        // own transaction: a step reads only what changed, not the whole history.
+        let mut transcript = Transcript::default();
         loop {
             if cancel.is_cancelled() {
                 return Err(Error::Interrupted);
             }
-            let (promotion, envelopes) = self
+            let (promotion, envelopes, refreshed, info) = self
                 .fenced(&held, move |c, now| {
                     let before = log::last_seq(c, session)?.unwrap_or(0);
                     let promotion = inbox::promote(c, now, session, boundary)?;
                     let written = log::read(c, session, before, u32::MAX)?;
-                    Ok((promotion, written))
+                    transcript.refresh(c, session)?;
+                    let info = projector::session_info(c, session)?;
+                    Ok((promotion, written, transcript, info))
                 })
                 .await?;
+            transcript = refreshed;
             self.broadcast(&envelopes);
             let promoted = match &promotion {
                 Promotion::Nothing => false,
@@ -549,18 +556,20 @@ impl Engine {
                     continue;
                 }
             };
-            let messages = self.messages(session).await?;
             // Past the first boundary only new input or a tool-driven continuation runs a
             // step; otherwise a step whose tool calls were refused would loop.
             let go = promoted
                 || boundary == Boundary::Step
-                || (first && awaits_model(&messages, request.force));
+                || (first && awaits_model(transcript.messages(), request.force));
             first = false;
             if !go {
                 return Ok(());
             }
             step_number += 1;
-            let summary = self.step(&held, step_number, messages, &cancel).await?;
+            let info = info.ok_or_else(|| Error::Config(format!("no session {session}")))?;
+            let summary = self
+                .step(&held, step_number, transcript.messages(), info, &cancel)
+                .await?;
             boundary = if summary.continues() {
                 Boundary::Step
             } else {

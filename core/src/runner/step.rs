@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::publisher::{Publisher, coalesce};
-use super::tools::{Done, QUESTION, question_spec};
+use super::tools::{Done, QUESTION, question_spec, result_event};
 use super::{Engine, Error, Held, context};
 use crate::event::projector;
 use crate::execution;
@@ -53,16 +53,17 @@ impl StepSummary {
 }
 
 impl Engine {
-    /// Runs one step of `held`'s session. `messages` is the transcript to send.
+    /// Runs one step of `held`'s session. `messages` is the transcript to send and `info`
+    /// the session's settings, both read at the boundary before it.
     pub(super) async fn step(
         &self,
         held: &Held,
         step_number: u32,
-        messages: Vec<Message>,
+        messages: &[Message],
+        info: projector::SessionInfo,
         cancel: &CancellationToken,
     ) -> Result<StepSummary, Error> {
         let session = held.claim.session_id;
-        let info = self.session_info(session).await?;
         let agent = self.agent(&info.agent)?;
         let provider = self.provider(&info.model)?;
         let last_step = step_number >= agent.max_steps;
@@ -78,7 +79,7 @@ impl Engine {
         let mut request = provider::Request {
             model: info.model.clone(),
             system: agent.system.clone(),
-            turns: context::turns(&messages),
+            turns: context::turns(messages),
             tools: specs,
             tool_choice: if last_step {
                 ToolChoice::None
@@ -142,7 +143,7 @@ impl Engine {
             });
             let mut publisher = Publisher::new(assistant, known, last_step);
             let mut tasks: JoinSet<(CallId, Done)> = JoinSet::new();
-            let mut stream = provider.stream(request.clone());
+            let mut stream = provider.stream(&request);
             let mut stream_open = true;
             // Whether the provider said anything yet: after that, no transparent retry.
             let mut output_started = false;
@@ -151,7 +152,9 @@ impl Engine {
             let mut failure: Option<provider::Error> = None;
             let mut stop: Option<InterruptReason> = None;
             let mut called_tools = false;
-            let mut pending_deltas: Vec<EphemeralEvent> = Vec::new();
+            let mut outbox = Outbox::default();
+            // Results of the calls that finished last, held for the step's closing write.
+            let mut last_results: Vec<DurableEvent> = Vec::new();
 
             loop {
                 if !stream_open && tasks.is_empty() {
@@ -166,11 +169,19 @@ impl Engine {
                     }
                     Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
                         let (call_id, done) = joined.map_err(|e| Error::Store(format!("a tool task failed: {e}")))?;
-                        if let Some(reason) = self
-                            .settle_call(held, directory.as_ref().ok(), call_id, done, &tool_cancel, &mut tasks, interrupted)
-                            .await?
-                        {
-                            stop.get_or_insert(reason);
+                        match done {
+                            // The step's last word: the result commits with the step's end.
+                            Done::Ran(result) if !stream_open && tasks.is_empty() && !interrupted => {
+                                last_results.push(result_event(call_id, result));
+                            }
+                            done => {
+                                if let Some(reason) = self
+                                    .settle_call(held, directory.as_ref().ok(), call_id, done, &tool_cancel, &mut tasks, interrupted)
+                                    .await?
+                                {
+                                    stop.get_or_insert(reason);
+                                }
+                            }
                         }
                     }
                     item = stream.next(), if stream_open => {
@@ -219,11 +230,11 @@ impl Engine {
                                     }
                                     Ok(actions) => {
                                         output_started = true;
-                                        if !actions.durable.is_empty() {
-                                            self.flush(held, &mut pending_deltas);
-                                            self.publish(held, actions.durable).await?;
+                                        outbox.extend(actions.durable, actions.ephemeral);
+                                        if !actions.launch.is_empty() {
+                                            // A local call starts only once its `tool.called` committed.
+                                            self.send(held, &mut outbox).await?;
                                         }
-                                        pending_deltas.extend(actions.ephemeral);
                                         for launch in actions.launch {
                                             called_tools = true;
                                             self.launch(held, &agent, directory.as_ref(), launch, &tool_cancel, &mut tasks).await?;
@@ -236,7 +247,7 @@ impl Engine {
                                 None => break,
                             }
                         }
-                        self.flush(held, &mut pending_deltas);
+                        self.send(held, &mut outbox).await?;
                         if let Some(error) = overflow {
                             // Before any output: compact once, then send the step again.
                             compacted = true;
@@ -246,7 +257,7 @@ impl Engine {
                             {
                                 Compacted::Done => {
                                     request.turns = context::turns(&self.messages(session).await?);
-                                    stream = provider.stream(request.clone());
+                                    stream = provider.stream(&request);
                                     stream_open = true;
                                 }
                                 Compacted::Interrupted => {
@@ -260,7 +271,7 @@ impl Engine {
                         if let Some((error, wait)) = retry {
                             retries += 1;
                             if self.backoff(held, assistant, retries, &error, wait, cancel).await? {
-                                stream = provider.stream(request.clone());
+                                stream = provider.stream(&request);
                                 stream_open = true;
                             } else {
                                 interrupted = true;
@@ -270,17 +281,18 @@ impl Engine {
                     }
                 }
             }
-            self.flush(held, &mut pending_deltas);
+            self.send(held, &mut outbox).await?;
 
             if interrupted {
-                self.publish(held, vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
+                last_results.push(DurableEvent::StepInterrupted(payload::StepInterrupted {
                     assistant_message_id: assistant,
                     reason: InterruptReason::User,
-                })])
-                .await?;
+                }));
+                self.publish(held, last_results).await?;
                 return Err(Error::Interrupted);
             }
-            let mut closing = publisher.close();
+            let mut closing = last_results;
+            closing.extend(publisher.close());
             if failure.is_none() && publisher.finish.is_none() {
                 failure = Some(provider::Error::Incomplete(
                     "the stream ended without a finish".into(),
@@ -472,9 +484,74 @@ impl Engine {
         }
     }
 
-    fn flush(&self, held: &Held, pending: &mut Vec<EphemeralEvent>) {
-        for event in coalesce(std::mem::take(pending)) {
+    /// Commits the outbox's durable events in one fenced write, then publishes everything
+    /// live in the order the provider produced it (runs of deltas coalesced).
+    async fn send(&self, held: &Held, outbox: &mut Outbox) -> Result<(), Error> {
+        let Outbox { durable, order } = std::mem::take(outbox);
+        let mut deltas = Vec::new();
+        let mut order = order.into_iter().peekable();
+        // Deltas ahead of the first durable event follow what is already committed: they
+        // need not wait for this commit.
+        while let Some(Outgoing::Ephemeral(event)) =
+            order.next_if(|o| matches!(o, Outgoing::Ephemeral(_)))
+        {
+            deltas.push(event);
+        }
+        self.publish_deltas(held, &mut deltas);
+        if durable.is_empty() {
+            return Ok(());
+        }
+        let session = held.claim.session_id;
+        let mut committed = self
+            .fenced(held, move |c, now| {
+                crate::event::log::append(c, now, session, durable).map_err(Error::from)
+            })
+            .await?
+            .into_iter();
+        for item in order {
+            match item {
+                Outgoing::Ephemeral(event) => deltas.push(event),
+                Outgoing::Durable => {
+                    self.publish_deltas(held, &mut deltas);
+                    if let Some(envelope) = committed.next() {
+                        self.broadcast(std::slice::from_ref(&envelope));
+                    }
+                }
+            }
+        }
+        self.publish_deltas(held, &mut deltas);
+        Ok(())
+    }
+
+    fn publish_deltas(&self, held: &Held, deltas: &mut Vec<EphemeralEvent>) {
+        for event in coalesce(std::mem::take(deltas)) {
             self.publish_ephemeral(held, event);
         }
+    }
+}
+
+/// A burst of the step's output, in the order the provider produced it, until it is sent:
+/// everything the stream has ready commits in one write instead of one per event.
+#[derive(Debug, Default)]
+struct Outbox {
+    /// The durable events, to commit together.
+    durable: Vec<DurableEvent>,
+    /// Everything in order; `Durable` stands for the next of `durable`.
+    order: Vec<Outgoing>,
+}
+
+#[derive(Debug)]
+enum Outgoing {
+    Durable,
+    Ephemeral(EphemeralEvent),
+}
+
+impl Outbox {
+    /// One provider event's output: its durable events come before its deltas.
+    fn extend(&mut self, durable: Vec<DurableEvent>, ephemeral: Vec<EphemeralEvent>) {
+        self.order.extend(durable.iter().map(|_| Outgoing::Durable));
+        self.durable.extend(durable);
+        self.order
+            .extend(ephemeral.into_iter().map(Outgoing::Ephemeral));
     }
 }

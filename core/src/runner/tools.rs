@@ -46,6 +46,25 @@ pub(super) enum Done {
     Abandoned,
 }
 
+/// The durable result of a local call that ran: `tool.success` or `tool.failed`.
+pub(super) fn result_event(
+    call_id: CallId,
+    result: Result<tool::Output, tool::Error>,
+) -> DurableEvent {
+    match result {
+        Ok(output) => DurableEvent::ToolSuccess(payload::ToolSuccess {
+            call_id,
+            structured: output.structured,
+            content: output.content,
+            result: None,
+        }),
+        Err(error) => DurableEvent::ToolFailed(payload::ToolFailed {
+            call_id,
+            error: error.info(),
+        }),
+    }
+}
+
 impl Engine {
     /// Acts on a local call whose `tool.called` has committed: asks, denies, or starts it.
     pub(super) async fn launch(
@@ -250,28 +269,9 @@ impl Engine {
             // Left unresolved: the step's `step.interrupted` fails it durably.
             Done::Abandoned | Done::Ran(Err(tool::Error::Interrupted)) if interrupted => Ok(None),
             Done::Abandoned => Ok(None),
-            Done::Ran(Ok(output)) => {
-                self.publish(
-                    held,
-                    vec![DurableEvent::ToolSuccess(payload::ToolSuccess {
-                        call_id,
-                        structured: output.structured,
-                        content: output.content,
-                        result: None,
-                    })],
-                )
-                .await?;
-                Ok(None)
-            }
-            Done::Ran(Err(error)) => {
-                self.publish(
-                    held,
-                    vec![DurableEvent::ToolFailed(payload::ToolFailed {
-                        call_id,
-                        error: error.info(),
-                    })],
-                )
-                .await?;
+            Done::Ran(result) => {
+                self.publish(held, vec![result_event(call_id, result)])
+                    .await?;
                 Ok(None)
             }
             Done::Decided(decision, launch) => {

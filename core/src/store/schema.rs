@@ -41,6 +41,7 @@ diesel::table! {
         seq -> BigInt,
         role -> Text,
         data -> Text,
+        updated_seq -> BigInt,
     }
 }
 

@@ -372,7 +372,7 @@ fn request() -> Request {
 async fn direct(canned: Canned) -> Vec<Result<Event, provider::Error>> {
     let fake = FakeProvider::start(vec![canned]).await;
     let adapter = Anthropic::new(Some(fake.base_url.clone()), None);
-    let events = adapter.stream(request()).collect().await;
+    let events = adapter.stream(&request()).collect().await;
     assert_eq!(fake.received()[0].header("x-api-key"), None);
     events
 }
@@ -536,7 +536,7 @@ async fn live_anthropic_answers() {
         }],
     }];
     let events: Vec<Event> = adapter
-        .stream(live)
+        .stream(&live)
         .map(|e| e.expect("Anthropic answers"))
         .collect()
         .await;

@@ -264,7 +264,7 @@ async fn a_refused_connection_fails_before_sending() {
     let address = listener.local_addr().unwrap();
     drop(listener);
     let adapter = OpenAi::new(Some(format!("http://{address}/v1")), None);
-    let events: Vec<_> = adapter.stream(request()).collect().await;
+    let events: Vec<_> = adapter.stream(&request()).collect().await;
     assert!(
         matches!(events[..], [Err(provider::Error::TransportBeforeSend(_))]),
         "{events:?}"
@@ -292,7 +292,7 @@ fn request() -> Request {
 async fn direct(responses: Vec<Canned>) -> Vec<Result<Event, provider::Error>> {
     let fake = FakeProvider::start(responses).await;
     let adapter = OpenAi::new(Some(fake.base_url.clone()), None);
-    adapter.stream(request()).collect().await
+    adapter.stream(&request()).collect().await
 }
 
 /// Against the real API, only when `OPENAI_API_KEY` is set (`OPENAI_BASE_URL` and
@@ -309,7 +309,7 @@ async fn live_openai_answers() {
     let adapter = OpenAi::new(std::env::var("OPENAI_BASE_URL").ok(), Some(key));
     let mut live = request();
     live.model.id = std::env::var("KEEL_OPENAI_MODEL").unwrap_or_else(|_| "gpt-4.1-mini".into());
-    let events: Vec<_> = adapter.stream(live).collect().await;
+    let events: Vec<_> = adapter.stream(&live).collect().await;
     let said: String = events
         .iter()
         .filter_map(|e| match e {

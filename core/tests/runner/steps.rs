@@ -369,3 +369,41 @@ async fn an_image_read_by_a_tool_is_stored_once_in_the_event_log() {
         .collect();
     assert_eq!(stored.matches(&encoded).count(), 1);
 }
+
+/// Writes committed while a prompt runs to the end with `responses` as the model's
+/// answers, and the number of durable events they carried.
+async fn writes_and_events(responses: Vec<Vec<Item>>) -> (u64, usize) {
+    let h = Harness::new(Setup {
+        script: Some(script(responses)),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let before = h.store.stats().1;
+    h.runner.run(session).await.unwrap();
+    (h.store.stats().1 - before, h.log(session).await.len())
+}
+
+#[tokio::test]
+async fn what_the_model_stream_has_ready_commits_in_one_write() {
+    // The scripted model has each answer ready at once: however many fragments it holds,
+    // a burst costs one write (plus one for the call's result), so both runs commit the
+    // same number of writes while the second logs more events.
+    let short = writes_and_events(vec![
+        vec![text("Looking."), call("probe", json!({}))],
+        vec![text("Done.")],
+    ])
+    .await;
+    let long = writes_and_events(vec![
+        vec![
+            text("Looking."),
+            text("Still looking."),
+            text("One more look."),
+            call("probe", json!({})),
+        ],
+        vec![text("Done."), text("Really done.")],
+    ])
+    .await;
+    assert!(long.1 >= short.1 + 6, "{short:?} {long:?}");
+    assert_eq!(long.0, short.0, "{short:?} {long:?}");
+}

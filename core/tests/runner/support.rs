@@ -123,8 +123,8 @@ impl Driven {
 }
 
 impl Provider for Driven {
-    fn stream(&self, request: provider::Request) -> EventStream {
-        self.requests.lock().unwrap().push(request);
+    fn stream(&self, request: &provider::Request) -> EventStream {
+        self.requests.lock().unwrap().push(request.clone());
         let mut streams = self.streams.lock().unwrap();
         if streams.is_empty() {
             return Box::pin(futures::stream::iter([Err(provider::Error::BadRequest(
@@ -145,7 +145,7 @@ pub struct Recording {
 }
 
 impl Provider for Recording {
-    fn stream(&self, request: provider::Request) -> EventStream {
+    fn stream(&self, request: &provider::Request) -> EventStream {
         self.requests.lock().unwrap().push(request.clone());
         self.inner.stream(request)
     }

@@ -1,6 +1,8 @@
 //! Projections: the transcript, tools resolved exactly once, usage totals.
 
-use keel_core::event::projector::{ToolOutput, crashed_tool_error, interrupted_tool_error};
+use keel_core::event::projector::{
+    self, ToolOutput, Transcript, crashed_tool_error, interrupted_tool_error,
+};
 use keel_core::store::{Error, Store};
 use keel_schema::api::{AssistantPart, Message, StepEnd, ToolStatus};
 use keel_schema::event::{DurableEvent, payload};
@@ -19,6 +21,7 @@ backend_tests!(
     a_tool_call_is_resolved_exactly_once,
     a_step_does_not_end_while_a_tool_of_it_is_unresolved,
     usage_totals_accumulate_from_step_ended_and_step_failed,
+    a_held_transcript_reads_only_what_changed_and_matches_a_full_read,
 );
 
 fn step_started(id: MessageId) -> DurableEvent {
@@ -380,4 +383,46 @@ async fn usage_totals_accumulate_from_step_ended_and_step_failed(db: TestDb) {
         .unwrap();
     assert_eq!(rows.session[0].9, (15, 1, 14, 200, 6));
     assert!((rows.session[0].10 - 1.0).abs() < 1e-9);
+}
+
+async fn a_held_transcript_reads_only_what_changed_and_matches_a_full_read(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let (first, second) = (MessageId::new(), MessageId::new());
+    let call = CallId::new();
+    let ended = |id| {
+        DurableEvent::StepEnded(payload::StepEnded {
+            assistant_message_id: id,
+            finish: Finish::ToolCalls,
+            usage: usage(1, 1),
+            cost: 0.0,
+        })
+    };
+    // Each round's events, and how many messages the refresh after it reads.
+    let rounds: Vec<(Vec<DurableEvent>, usize)> = vec![
+        (vec![step_started(first)], 1),
+        (vec![called(first, call, "read", Effect::Read)], 1),
+        (vec![success(call), ended(first)], 1),
+        (vec![step_started(second)], 1),
+        (vec![ended(second)], 1),
+        (vec![], 0),
+    ];
+    let mut held = Transcript::default();
+    for (events, changed) in rounds {
+        if !events.is_empty() {
+            store.append(session, events).await.unwrap();
+        }
+        let ((read, refreshed), full) = store
+            .read(move |c| {
+                let read = held.refresh(c, session)?;
+                let full = projector::messages(c, session)?;
+                Ok::<_, Error>(((read, held), full))
+            })
+            .await
+            .unwrap();
+        held = refreshed;
+        assert_eq!(read, changed);
+        assert_eq!(held.messages(), full.as_slice());
+    }
+    assert_eq!(held.messages().len(), 2);
 }
