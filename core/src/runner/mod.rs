@@ -11,6 +11,7 @@
 
 mod compaction;
 mod context;
+pub mod live;
 mod publisher;
 mod retry;
 mod step;
@@ -189,7 +190,7 @@ pub struct Engine {
     store: Store,
     settings: Settings,
     held: Mutex<HashMap<SessionId, Held>>,
-    live: broadcast::Sender<Live>,
+    live: live::Hub,
     waiting: Mutex<HashMap<RequestId, oneshot::Sender<Reply>>>,
     router: std::sync::OnceLock<Arc<dyn Router>>,
 }
@@ -202,13 +203,12 @@ pub struct Runner {
 
 impl Runner {
     pub fn new(store: Store, settings: Settings) -> Self {
-        let (live, _) = broadcast::channel(4096);
         Self {
             coordinator: Coordinator::new(Engine {
                 store,
                 settings,
                 held: Mutex::new(HashMap::new()),
-                live,
+                live: live::Hub::default(),
                 waiting: Mutex::new(HashMap::new()),
                 router: std::sync::OnceLock::new(),
             }),
@@ -224,6 +224,11 @@ impl Runner {
         self.engine().live.subscribe()
     }
 
+    /// Live events of one session, serialized.
+    pub fn follow(&self, session: SessionId) -> broadcast::Receiver<Arc<live::Published>> {
+        self.engine().live.follow(session)
+    }
+
     /// Sends wakes for sessions another node holds through `router` (set once).
     pub fn route_through(&self, router: Arc<dyn Router>) {
         if self.engine().router.set(router).is_err() {
@@ -234,7 +239,7 @@ impl Runner {
     /// Publishes events another node committed to this process's live subscribers.
     pub fn relay(&self, envelopes: &[Envelope]) {
         for envelope in envelopes {
-            drop(self.engine().live.send(Live::Remote(envelope.clone())));
+            self.engine().live.send(Live::Remote(envelope.clone()));
         }
     }
 
@@ -417,8 +422,7 @@ impl Engine {
 
     fn broadcast(&self, envelopes: &[Envelope]) {
         for envelope in envelopes {
-            // No subscriber is fine: live delivery is best effort, the log is the truth.
-            drop(self.live.send(Live::Durable(envelope.clone())));
+            self.live.send(Live::Durable(envelope.clone()));
         }
     }
 
@@ -427,11 +431,11 @@ impl Engine {
         if !self.owns(held) {
             return;
         }
-        drop(self.live.send(Live::Ephemeral(EphemeralEnvelope {
+        self.live.send(Live::Ephemeral(EphemeralEnvelope {
             session_id: held.claim.session_id,
             time: self.now(),
             event,
-        })));
+        }));
     }
 
     fn agent(&self, name: &str) -> Result<Agent, Error> {

@@ -232,7 +232,7 @@ impl Engine {
                     && clock.now_ms()
                         < ownership.deadline.load(std::sync::atomic::Ordering::SeqCst);
                 if owns {
-                    drop(live.send(super::Live::Ephemeral(
+                    live.send(super::Live::Ephemeral(
                         keel_schema::event::EphemeralEnvelope {
                             session_id: session,
                             time: clock.now_ms(),
@@ -241,7 +241,7 @@ impl Engine {
                                 metadata,
                             }),
                         },
-                    )));
+                    ));
                 }
             }
         });

@@ -1,11 +1,12 @@
 //! The event streams.
 //!
 //! `GET /api/session/{id}/log`: durable events after `after` (or `Last-Event-ID`), each
-//! with `id: <seq>`, then one `event: synced`, then live events while `follow`. The live
-//! subscription is taken before the history is read, and live events only tell the
-//! stream to read the log past the last seq it sent, so a reconnect at any point yields
-//! every durable event exactly once, in order. A periodic catch-up read covers anything a
-//! notification missed.
+//! with `id: <seq>`, then one `event: synced`, then live events while `follow`. The
+//! stream follows only its session ([`crate::runner::live`]), subscribing before the
+//! history is read. A live durable event goes out as published when it is the next seq
+//! after the last one sent; any other gap makes the stream read the log past that seq,
+//! so a reconnect at any point yields every durable event exactly once, in order. A
+//! periodic catch-up read covers anything a notification missed.
 //!
 //! `GET /api/event`: live events of all sessions. Each subscriber has a bounded queue; one
 //! that falls behind is sent `event: lagged` and disconnected, never silently skipped.
@@ -85,7 +86,7 @@ pub async fn session_log(
     }
 
     // Subscribe before reading the history, so nothing committed meanwhile is missed.
-    let mut live = state.runner.subscribe();
+    let mut live = state.runner.follow(id);
     let (tx, rx) = mpsc::channel(256);
     let heartbeat = state.heartbeat;
     let store = state.store.clone();
@@ -140,18 +141,25 @@ pub async fn session_log(
         loop {
             let read = tokio::select! {
                 item = live.recv() => match item {
-                    Ok(Live::Durable(envelope) | Live::Remote(envelope)) => {
-                        envelope.session_id == id && envelope.seq > last
-                    }
-                    Ok(Live::Ephemeral(event)) => {
-                        if ephemeral && event.session_id == id {
-                            let data = serde_json::to_string(&event).unwrap_or_default();
-                            if tx.send(Event::default().data(data)).await.is_err() {
+                    // The next durable event goes out as published; a later one means
+                    // something was missed, and the log has it.
+                    Ok(published) => match published.seq {
+                        Some(seq) if seq == last + 1 => {
+                            let event = Event::default().id(seq.to_string()).data(&published.json);
+                            if tx.send(event).await.is_err() {
                                 return;
                             }
+                            last = seq;
+                            false
                         }
-                        false
-                    }
+                        Some(seq) => seq > last,
+                        None => {
+                            if ephemeral && tx.send(Event::default().data(&published.json)).await.is_err() {
+                                return;
+                            }
+                            false
+                        }
+                    },
                     Err(broadcast::error::RecvError::Lagged(_)) => true,
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
