@@ -928,8 +928,9 @@ pub fn messages(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Mess
 #[derive(Debug, Default)]
 pub struct Transcript {
     messages: Vec<Message>,
-    /// Each message's position in `messages`, and its seq.
+    /// Each message's position in `messages`, by id.
     index: HashMap<String, usize>,
+    /// The seq of the last message held.
     last_seq: i64,
     /// The highest `updated_seq` read so far.
     through: i64,

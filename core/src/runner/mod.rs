@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use keel_schema::api::{Message, StepEnd};
 use keel_schema::event::{DurableEvent, Envelope, EphemeralEnvelope, EphemeralEvent, payload};
-use keel_schema::id::{OwnerId, RequestId, SessionId};
+use keel_schema::id::{MessageId, OwnerId, RequestId, SessionId};
 use keel_schema::types::{Decision, ErrorInfo, Finish, InterruptReason, Outcome, Phase};
 use tokio::sync::{broadcast, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -518,20 +518,39 @@ impl Engine {
         // Held across steps and brought up to date at each boundary, in the boundary's
         // own transaction: a step reads only what changed, not the whole history.
         let mut transcript = Transcript::default();
+        // The end of the step before this boundary, committed with the boundary's work.
+        let mut ended: Option<step::Ended> = None;
         loop {
             if cancel.is_cancelled() {
+                if let Some(ended) = ended.take() {
+                    self.close_step(&held, ended).await?;
+                }
                 return Err(Error::Interrupted);
             }
-            let (promotion, envelopes, refreshed, info) = self
+            let ending = ended.take().map(|e| (e.assistant, e.closing));
+            let assistant = ending.as_ref().map(|(assistant, _)| *assistant);
+            let boundary_work = self
                 .fenced(&held, move |c, now| {
                     let before = log::last_seq(c, session)?.unwrap_or(0);
+                    if let Some((_, closing)) = ending {
+                        log::append(c, now, session, closing)?;
+                    }
                     let promotion = inbox::promote(c, now, session, boundary)?;
                     let written = log::read(c, session, before, u32::MAX)?;
                     transcript.refresh(c, session)?;
                     let info = projector::session_info(c, session)?;
                     Ok((promotion, written, transcript, info))
                 })
-                .await?;
+                .await;
+            let (promotion, envelopes, refreshed, info) = match boundary_work {
+                Ok(done) => done,
+                Err(error) => {
+                    if let Some(assistant) = assistant {
+                        self.step_not_closed(&held, assistant, &error).await;
+                    }
+                    return Err(error);
+                }
+            };
             transcript = refreshed;
             self.broadcast(&envelopes);
             let promoted = match &promotion {
@@ -571,14 +590,34 @@ impl Engine {
             }
             step_number += 1;
             let info = info.ok_or_else(|| Error::Config(format!("no session {session}")))?;
-            let summary = self
+            let step = self
                 .step(&held, step_number, transcript.messages(), info, &cancel)
                 .await?;
-            boundary = if summary.continues() {
+            boundary = if step.summary.continues() {
                 Boundary::Step
             } else {
                 Boundary::Idle
             };
+            ended = Some(step);
+        }
+    }
+
+    /// Writes a step's end on its own (the drain stops before another boundary).
+    async fn close_step(&self, held: &Held, ended: step::Ended) -> Result<(), Error> {
+        let assistant = ended.assistant;
+        if let Err(error) = self.publish(held, ended.closing).await {
+            self.step_not_closed(held, assistant, &error).await;
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    /// A step's end could not be written: a database failure fails the step, so it still
+    /// ends with exactly one terminal event and no call left running; a lost claim leaves
+    /// it to recovery.
+    async fn step_not_closed(&self, held: &Held, assistant: MessageId, error: &Error) {
+        if matches!(error, Error::Store(_) | Error::Config(_)) {
+            self.fail_step(held, assistant, error).await;
         }
     }
 }

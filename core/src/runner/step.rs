@@ -2,10 +2,11 @@
 //!
 //! The publisher turns provider events into durable and ephemeral events under these
 //! rules: at most one open text and one open reasoning fragment; ordinals count per kind;
-//! deltas are ephemeral and batched (whatever the stream has ready goes out together);
-//! a duplicate start, call, result or finish is a protocol error that fails the step.
-//! Local tools start only after their `tool.called` commits, run concurrently, and are
-//! all joined before the step settles. A hosted call left unresolved at the end of the
+//! deltas are ephemeral; a duplicate start, call, result or finish is a protocol error
+//! that fails the step. Whatever the stream has ready goes out together: its durable
+//! events in one fenced write, then everything live in order ([`Outbox`]). Local tools
+//! start only after their `tool.called` commits, run concurrently, and are all joined
+//! before the step settles; the result of the last one commits with the step's end. A hosted call left unresolved at the end of the
 //! stream fails. Each step ends in exactly one of `step.ended`, `step.failed` or
 //! `step.interrupted`.
 //!
@@ -52,9 +53,21 @@ impl StepSummary {
     }
 }
 
+/// A step that ended (`step.ended`, or `step.interrupted` after a refused permission or
+/// a dismissed question) with its closing events not yet written: the drain commits them
+/// in the next boundary's transaction, one write where there were two.
+#[derive(Debug)]
+pub struct Ended {
+    pub summary: StepSummary,
+    pub assistant: MessageId,
+    /// The last calls' results, the closing of open fragments, and the terminal event.
+    pub closing: Vec<DurableEvent>,
+}
+
 impl Engine {
     /// Runs one step of `held`'s session. `messages` is the transcript to send and `info`
-    /// the session's settings, both read at the boundary before it.
+    /// the session's settings, both read at the boundary before it. A step that failed
+    /// or was interrupted has written its end; one that ended returns it unwritten.
     pub(super) async fn step(
         &self,
         held: &Held,
@@ -62,7 +75,7 @@ impl Engine {
         messages: &[Message],
         info: projector::SessionInfo,
         cancel: &CancellationToken,
-    ) -> Result<StepSummary, Error> {
+    ) -> Result<Ended, Error> {
         let session = held.claim.session_id;
         let agent = self.agent(&info.agent)?;
         let provider = self.provider(&info.model)?;
@@ -137,7 +150,7 @@ impl Engine {
         }
 
         let tool_cancel = cancel.child_token();
-        let result: Result<StepSummary, Error> = async {
+        let result: Result<Ended, Error> = async {
             let directory = std::fs::canonicalize(&info.directory).map_err(|e| {
                 format!("the session directory {} is not usable: {e}", info.directory)
             });
@@ -338,8 +351,11 @@ impl Engine {
                 }
             };
             closing.push(end);
-            self.publish(held, closing).await?;
-            Ok(summary)
+            Ok(Ended {
+                summary,
+                assistant,
+                closing,
+            })
         }
         .await;
         match result {
@@ -443,7 +459,7 @@ impl Engine {
 
     /// Fails a step that broke off: every unresolved call, then `step.failed`, in one
     /// fenced transaction, retried a few times.
-    async fn fail_step(&self, held: &Held, assistant: MessageId, cause: &Error) {
+    pub(super) async fn fail_step(&self, held: &Held, assistant: MessageId, cause: &Error) {
         let session = held.claim.session_id;
         let error = ErrorInfo::new("execution.failed", cause.to_string());
         for attempt in 0..4 {
