@@ -2,8 +2,9 @@
 //!
 //! Writes arrive on a bounded channel. The thread takes the first, then every write
 //! already waiting (up to the batch limit), begins one transaction (`BEGIN IMMEDIATE` on
-//! SQLite, so it never fails to upgrade a read lock), runs each write in its own savepoint,
-//! commits, and only then tells each caller its result. A write whose closure fails rolls
+//! SQLite, so it never fails to upgrade a read lock), runs each write in its own savepoint
+//! (prepared statements, see [`in_savepoint`]), commits, and only then tells each caller
+//! its result. A write whose closure fails rolls
 //! back to its savepoint and leaves the others intact; a failed commit fails them all.
 //!
 //! A batch of one write needs no savepoint: if it fails, the whole transaction is rolled
@@ -56,8 +57,7 @@ where
     fn run(self: Box<Self>, connection: &mut Conn, savepoint: bool) -> (bool, Finish) {
         let Pending { write, reply } = *self;
         let result = if savepoint {
-            // Inside the batch transaction this is a savepoint: an Err undoes this write only.
-            connection.transaction(write)
+            in_savepoint(connection, write)
         } else {
             write(connection)
         };
@@ -79,6 +79,90 @@ where
         drop(self.reply.send(Err(error)));
     }
 }
+
+/// Runs `write` in a savepoint of the batch transaction: an `Err` undoes this write only.
+///
+/// diesel's nested transactions would do the same, but send `SAVEPOINT` and `RELEASE` as
+/// plain SQL that is parsed again for every write; these statements are fixed query types,
+/// prepared once per connection. A savepoint that cannot be rolled back leaves the
+/// transaction in an unknown state, so it panics, which the batch handles like any
+/// panicking write: everything in the transaction is rolled back and failed.
+fn in_savepoint<T, E>(
+    connection: &mut Conn,
+    write: impl FnOnce(&mut Conn) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<diesel::result::Error>,
+{
+    use diesel::RunQueryDsl;
+
+    Fixed::<Savepoint>::new().execute(connection)?;
+    let result = write(connection);
+    let released = match &result {
+        Ok(_) => Fixed::<Release>::new().execute(connection).map(drop),
+        Err(_) => Err(diesel::result::Error::RollbackTransaction),
+    };
+    if let Err(error) = released {
+        let undone = Fixed::<RollbackTo>::new()
+            .execute(connection)
+            .and_then(|_| Fixed::<Release>::new().execute(connection));
+        if let Err(e) = undone {
+            panic!("a write's savepoint could not be rolled back: {e}");
+        }
+        return match result {
+            Ok(_) => Err(E::from(error)),
+            Err(e) => Err(e),
+        };
+    }
+    result
+}
+
+/// The text of one fixed statement.
+trait Statement: 'static {
+    const SQL: &'static str;
+}
+
+struct Savepoint;
+struct Release;
+struct RollbackTo;
+
+impl Statement for Savepoint {
+    const SQL: &'static str = "SAVEPOINT keel_write";
+}
+impl Statement for Release {
+    const SQL: &'static str = "RELEASE SAVEPOINT keel_write";
+}
+impl Statement for RollbackTo {
+    const SQL: &'static str = "ROLLBACK TO SAVEPOINT keel_write";
+}
+
+/// A statement whose SQL never changes; its type is its cache key.
+struct Fixed<S>(std::marker::PhantomData<S>);
+
+impl<S> Fixed<S> {
+    fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<S: Statement> diesel::query_builder::QueryId for Fixed<S> {
+    type QueryId = Self;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<S: Statement, DB: diesel::backend::Backend> diesel::query_builder::QueryFragment<DB>
+    for Fixed<S>
+{
+    fn walk_ast<'b>(
+        &'b self,
+        mut out: diesel::query_builder::AstPass<'_, 'b, DB>,
+    ) -> diesel::QueryResult<()> {
+        out.push_sql(S::SQL);
+        Ok(())
+    }
+}
+
+impl<S, C> diesel::RunQueryDsl<C> for Fixed<S> {}
 
 /// How many writes may wait for the writer before callers wait to submit.
 const QUEUE: usize = 4096;

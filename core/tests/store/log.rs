@@ -36,6 +36,7 @@ backend_tests!(
     a_stored_payload_that_does_not_decode_is_a_typed_error_naming_its_seq,
     reads_return_events_after_a_seq_up_to_a_limit,
     concurrent_appends_to_many_sessions_are_group_committed_in_order,
+    a_failing_write_in_a_shared_transaction_undoes_only_itself,
 );
 
 async fn appends_number_each_session_from_one_without_gaps(db: TestDb) {
@@ -257,4 +258,61 @@ async fn concurrent_appends_to_many_sessions_are_group_committed_in_order(db: Te
         titles.insert(session, order);
     }
     assert_eq!(titles.len(), 64);
+}
+
+async fn a_failing_write_in_a_shared_transaction_undoes_only_itself(db: TestDb) {
+    let store = db.open().await;
+    let mut sessions = Vec::new();
+    for _ in 0..48 {
+        sessions.push(new_session(&store).await);
+    }
+    let (batches_before, writes_before) = store.stats();
+    let mut tasks = Vec::new();
+    for (n, &session) in sessions.iter().enumerate() {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            store
+                .write(move |c| {
+                    let appended =
+                        keel_core::event::log::append(c, T0, session, vec![renamed("kept?")])?;
+                    match n % 3 {
+                        // Fails after writing: its event must be undone.
+                        0 => Err(Error::Corrupt(format!("refused {n}"))),
+                        // Fails in the database (a duplicate key; PostgreSQL then refuses
+                        // every statement until the savepoint is rolled back).
+                        1 => diesel::sql_query(format!(
+                            "INSERT INTO event (session_id, seq, id, type, version, data, time) \
+                             VALUES ('{session}', {}, 'evt_dup_{n}', 'x', 1, '{{}}', 0)",
+                            appended[0].seq
+                        ))
+                        .execute(c)
+                        .map(|_| ())
+                        .map_err(Error::from),
+                        _ => Ok(()),
+                    }
+                })
+                .await
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.unwrap());
+    }
+    let (batches, writes) = store.stats();
+    assert_eq!(writes - writes_before, 48);
+    assert!(
+        batches - batches_before < 48,
+        "the writes shared transactions"
+    );
+    for (n, (&session, outcome)) in sessions.iter().zip(outcomes).enumerate() {
+        let log = store.read_log(session, 0, 10).await.unwrap();
+        if n % 3 == 2 {
+            assert!(outcome.is_ok(), "{n}: {outcome:?}");
+            assert_eq!(log.len(), 2, "{n}: its event committed");
+        } else {
+            assert!(outcome.is_err(), "{n} must fail");
+            assert_eq!(log.len(), 1, "{n}: its event was undone");
+            assert_eq!(store.last_seq(session).await.unwrap(), Some(1));
+        }
+    }
 }
