@@ -32,7 +32,7 @@ const PATIENCE: Duration = Duration::from_secs(120);
 fn script() -> String {
     json!({ "responses": [
         { "items": [{ "type": "tool_call", "name": "bash", "input": {
-            "command": "echo \"$KEEL_CALL_ID\" >> runs.txt; while [ ! -e go ]; do sleep 0.02; done"
+            "command": "echo \"$KEEL_CALL_ID\" >> runs.txt; while [ ! -e go ] && [ -e \"$PWD\" ]; do sleep 0.02; done"
         }}]},
         { "items": [{ "type": "text", "text": "Recovered." }] },
         { "items": [{ "type": "text", "text": "Second prompt answered." }] }

@@ -54,10 +54,11 @@ fn succeeded(envelope: &Envelope) -> bool {
 #[tokio::test]
 async fn a_killed_server_recovers_the_session_once_without_rerunning_the_write_tool() {
     // The bash call records each real run, then waits for a file that appears only
-    // after the restart; the second answer comes after recovery.
+    // after the restart (or for the test's directory to go, so a call left over from the
+    // killed server never outlives the test); the second answer comes after recovery.
     let script = json!({ "responses": [
         { "items": [{ "type": "tool_call", "name": "bash", "input": {
-            "command": "echo ran >> runs.txt; while [ ! -e go ]; do sleep 0.02; done"
+            "command": "echo ran >> runs.txt; while [ ! -e go ] && [ -e \"$PWD\" ]; do sleep 0.02; done"
         }}]},
         { "items": [{ "type": "text", "text": "Picked up after the crash." }] }
     ]})
@@ -181,7 +182,7 @@ async fn a_server_killed_while_the_model_streams_recovers_the_step_once() {
 async fn sigterm_hands_the_claims_back_so_a_restart_takes_over_at_once() {
     let script = json!({ "responses": [
         { "items": [{ "type": "tool_call", "name": "bash", "input": {
-            "command": "while [ ! -e go ]; do sleep 0.02; done"
+            "command": "while [ ! -e go ] && [ -e \"$PWD\" ]; do sleep 0.02; done"
         }}]},
         { "items": [{ "type": "text", "text": "Resumed without waiting for the lease." }] }
     ]})

@@ -154,7 +154,7 @@ async fn an_interrupt_mid_stream_ends_the_step_and_the_session_takes_the_next_pr
 async fn a_steering_prompt_joins_the_run_at_the_next_step() {
     let server = scripted(json!([
         { "items": [{ "type": "tool_call", "name": "bash", "input": {
-            "command": "while [ ! -e go ]; do sleep 0.02; done; echo released"
+            "command": "while [ ! -e go ] && [ -e \"$PWD\" ]; do sleep 0.02; done; echo released"
         }}]},
         { "items": [{ "type": "text", "text": "steered" }] }
     ]));
