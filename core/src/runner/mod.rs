@@ -137,6 +137,18 @@ pub struct Settings {
     pub models: HashMap<String, ModelLimits>,
 }
 
+impl Settings {
+    /// Whether a step of a session with `info` may start in the boundary's transaction:
+    /// its agent and provider resolve (a step that cannot gets its error before
+    /// `step.started`), and its model has no limits (automatic compaction, which comes
+    /// before `step.started`, cannot be due).
+    fn starts_directly(&self, info: &projector::SessionInfo) -> bool {
+        (info.agent == "build" || self.agents.contains_key(&info.agent))
+            && self.providers.contains_key(&info.model.provider)
+            && !self.models.contains_key(&info.model.to_string())
+    }
+}
+
 /// Something published live, after its commit for durable events.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Live {
@@ -188,7 +200,7 @@ struct Held {
 /// The coordinator's work for sessions.
 pub struct Engine {
     store: Store,
-    settings: Settings,
+    settings: Arc<Settings>,
     held: Mutex<HashMap<SessionId, Held>>,
     live: live::Hub,
     waiting: Mutex<HashMap<RequestId, oneshot::Sender<Reply>>>,
@@ -206,7 +218,7 @@ impl Runner {
         Self {
             coordinator: Coordinator::new(Engine {
                 store,
-                settings,
+                settings: Arc::new(settings),
                 held: Mutex::new(HashMap::new()),
                 live: live::Hub::default(),
                 waiting: Mutex::new(HashMap::new()),
@@ -529,6 +541,8 @@ impl Engine {
             }
             let ending = ended.take().map(|e| (e.assistant, e.closing));
             let assistant = ending.as_ref().map(|(assistant, _)| *assistant);
+            let (settings, claim, force) = (self.settings.clone(), held.claim, request.force);
+            let counted = step_number;
             let boundary_work = self
                 .fenced(&held, move |c, now| {
                     let before = log::last_seq(c, session)?.unwrap_or(0);
@@ -536,13 +550,28 @@ impl Engine {
                         log::append(c, now, session, closing)?;
                     }
                     let promotion = inbox::promote(c, now, session, boundary)?;
-                    let written = log::read(c, session, before, u32::MAX)?;
                     transcript.refresh(c, session)?;
                     let info = projector::session_info(c, session)?;
-                    Ok((promotion, written, transcript, info))
+                    let next = next_step(
+                        &promotion,
+                        boundary,
+                        first,
+                        force,
+                        transcript.messages(),
+                        counted,
+                    );
+                    // The step's start rides along when nothing has to come before it.
+                    let started = match (&info, next) {
+                        (Some(info), Some(number)) if settings.starts_directly(info) => {
+                            Some(step::start_step(c, now, &claim, info, number)?.0)
+                        }
+                        _ => None,
+                    };
+                    let written = log::read(c, session, before, u32::MAX)?;
+                    Ok((promotion, written, transcript, info, next, started))
                 })
                 .await;
-            let (promotion, envelopes, refreshed, info) = match boundary_work {
+            let (promotion, envelopes, refreshed, info, next, started) = match boundary_work {
                 Ok(done) => done,
                 Err(error) => {
                     if let Some(assistant) = assistant {
@@ -553,45 +582,38 @@ impl Engine {
             };
             transcript = refreshed;
             self.broadcast(&envelopes);
-            let promoted = match &promotion {
-                Promotion::Nothing => false,
-                Promotion::Prompts(_) => {
-                    if boundary == Boundary::Idle {
-                        step_number = 0;
-                    }
-                    true
+            if let Promotion::Control(input) = &promotion {
+                // The only control input is `compact`; its outcome is in its events, and
+                // a failed compaction leaves the history as it was.
+                let compacted = self
+                    .compact(
+                        &held,
+                        keel_schema::types::CompactionReason::Manual,
+                        Some(input.id),
+                        None,
+                        &cancel,
+                    )
+                    .await?;
+                if compacted == compaction::Compacted::Interrupted {
+                    return Err(Error::Interrupted);
                 }
-                Promotion::Control(input) => {
-                    // The only control input is `compact`; its outcome is in its events,
-                    // and a failed compaction leaves the history as it was.
-                    let compacted = self
-                        .compact(
-                            &held,
-                            keel_schema::types::CompactionReason::Manual,
-                            Some(input.id),
-                            None,
-                            &cancel,
-                        )
-                        .await?;
-                    if compacted == compaction::Compacted::Interrupted {
-                        return Err(Error::Interrupted);
-                    }
-                    continue;
-                }
-            };
-            // Past the first boundary only new input or a tool-driven continuation runs a
-            // step; otherwise a step whose tool calls were refused would loop.
-            let go = promoted
-                || boundary == Boundary::Step
-                || (first && awaits_model(transcript.messages(), request.force));
-            first = false;
-            if !go {
-                return Ok(());
+                continue;
             }
-            step_number += 1;
+            first = false;
+            let Some(number) = next else {
+                return Ok(());
+            };
+            step_number = number;
             let info = info.ok_or_else(|| Error::Config(format!("no session {session}")))?;
             let step = self
-                .step(&held, step_number, transcript.messages(), info, &cancel)
+                .step(
+                    &held,
+                    step_number,
+                    transcript.messages(),
+                    info,
+                    started,
+                    &cancel,
+                )
                 .await?;
             boundary = if step.summary.continues() {
                 Boundary::Step
@@ -620,6 +642,31 @@ impl Engine {
             self.fail_step(held, assistant, error).await;
         }
     }
+}
+
+/// The number of the step that follows a boundary, or `None` when none does. New prompts
+/// run a step (from step 1 after an idle boundary); past the first boundary, otherwise,
+/// only a tool-driven continuation does, or a step whose tool calls were refused would
+/// loop; the first boundary also runs one when the transcript waits for the model. A
+/// control input runs no step here (the drain carries it out first).
+fn next_step(
+    promotion: &Promotion,
+    boundary: Boundary,
+    first: bool,
+    force: bool,
+    messages: &[Message],
+    step_number: u32,
+) -> Option<u32> {
+    let (go, counted) = match promotion {
+        Promotion::Control(_) => return None,
+        Promotion::Prompts(_) if boundary == Boundary::Idle => (true, 0),
+        Promotion::Prompts(_) => (true, step_number),
+        Promotion::Nothing => (
+            boundary == Boundary::Step || (first && awaits_model(messages, force)),
+            step_number,
+        ),
+    };
+    go.then_some(counted + 1)
 }
 
 /// Whether the transcript waits for the model: its last message is the user's. `resume`

@@ -53,6 +53,33 @@ impl StepSummary {
     }
 }
 
+/// Appends `step.started` for step `number` of the claim's session and sets the claim
+/// `running` with it, in the caller's fenced transaction. Returns the new assistant
+/// message, the event's seq, and what was written.
+pub(super) fn start_step(
+    connection: &mut crate::store::Conn,
+    now: i64,
+    claim: &execution::Claim,
+    info: &projector::SessionInfo,
+    number: u32,
+) -> Result<((MessageId, u64), Vec<keel_schema::event::Envelope>), Error> {
+    let assistant = MessageId::new();
+    let envelopes = crate::event::log::append(
+        connection,
+        now,
+        claim.session_id,
+        vec![DurableEvent::StepStarted(payload::StepStarted {
+            assistant_message_id: assistant,
+            step: number,
+            agent: info.agent.clone(),
+            model: info.model.clone(),
+        })],
+    )?;
+    let seq = envelopes.first().map_or(0, |e| e.seq);
+    execution::set_phase(connection, claim, Phase::Running, Some((assistant, seq)))?;
+    Ok(((assistant, seq), envelopes))
+}
+
 /// A step that ended (`step.ended`, or `step.interrupted` after a refused permission or
 /// a dismissed question) with its closing events not yet written: the drain commits them
 /// in the next boundary's transaction, one write where there were two.
@@ -66,14 +93,17 @@ pub struct Ended {
 
 impl Engine {
     /// Runs one step of `held`'s session. `messages` is the transcript to send and `info`
-    /// the session's settings, both read at the boundary before it. A step that failed
-    /// or was interrupted has written its end; one that ended returns it unwritten.
+    /// the session's settings, both read at the boundary before it; `started` its
+    /// assistant message and `step.started` seq when the boundary wrote that event
+    /// ([`start_step`]). A step that failed or was interrupted has written its end; one
+    /// that ended returns it unwritten.
     pub(super) async fn step(
         &self,
         held: &Held,
         step_number: u32,
         messages: &[Message],
         info: projector::SessionInfo,
+        started: Option<(MessageId, u64)>,
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
         let session = held.claim.session_id;
@@ -118,30 +148,22 @@ impl Engine {
             }
         }
 
-        // The fenced `step.started` is the ownership check before the provider request.
-        let assistant = MessageId::new();
-        let claim = held.claim;
-        let (agent_name, model) = (info.agent.clone(), info.model.clone());
-        let started = self
-            .fenced(held, move |c, now| {
-                let envelopes = crate::event::log::append(
-                    c,
-                    now,
-                    session,
-                    vec![DurableEvent::StepStarted(payload::StepStarted {
-                        assistant_message_id: assistant,
-                        step: step_number,
-                        agent: agent_name,
-                        model,
-                    })],
-                )?;
-                let seq = envelopes.first().map_or(0, |e| e.seq);
-                execution::set_phase(c, &claim, Phase::Running, Some((assistant, seq)))?;
-                Ok(envelopes)
-            })
-            .await?;
-        self.broadcast(&started);
-        let assistant_seq = started.first().map_or(0, |e| e.seq);
+        // The fenced `step.started` is the ownership check before the provider request;
+        // the boundary has written it already when nothing had to come first.
+        let (assistant, assistant_seq) = match started {
+            Some(started) => started,
+            None => {
+                let claim = held.claim;
+                let info = info.clone();
+                let (started, envelopes) = self
+                    .fenced(held, move |c, now| {
+                        start_step(c, now, &claim, &info, step_number)
+                    })
+                    .await?;
+                self.broadcast(&envelopes);
+                started
+            }
+        };
         if cancel.is_cancelled() {
             return Err(Error::Interrupted);
         }

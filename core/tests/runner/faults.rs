@@ -98,9 +98,11 @@ async fn a_failed_commit_at_any_boundary_of_a_tool_using_step_leaves_no_stranded
     clean.runner.run(session).await.unwrap();
     let commits = clean.store.stats().0 - before;
     check_invariants(&clean, session, "clean run").await;
+    // The claim, each boundary (with the previous step's end and the next step's start),
+    // each step's burst of output, the release.
     assert!(
-        commits >= 8,
-        "a tool-using execution makes many commits ({commits})"
+        commits >= 7,
+        "a tool-using execution makes several commits ({commits})"
     );
 
     let (mut failed_runs, mut failed_steps) = (0, 0);
