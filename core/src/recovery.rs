@@ -446,10 +446,12 @@ fn validate_assistant(
     let Ok(id) = assistant.parse::<MessageId>() else {
         return Ok(Err(format!("assistant id `{assistant}` is not valid")));
     };
+    // By primary key, without `first()`: a bound `LIMIT` makes SQLite recompile the
+    // statement at every use (see `event::projector`).
     let owner: Option<String> = session_message::table
-        .filter(session_message::id.eq(assistant))
+        .find(assistant)
         .select(session_message::session_id)
-        .first(connection)
+        .get_result(connection)
         .optional()?;
     match owner {
         None => return Ok(Err(format!("assistant {assistant} does not exist"))),
@@ -478,20 +480,31 @@ fn validate_assistant(
 
 /// How many of the session's latest executions in a row settled `recovered`.
 fn recoveries_in_a_row(connection: &mut Conn, session: SessionId) -> Result<usize, store::Error> {
-    let settled: Vec<String> = event::table
+    // Newest first, at most MAX_ATTEMPTS. On SQLite without a bound `LIMIT`, which would
+    // make it recompile the statement at every use: it steps rows only as they are read.
+    let query = event::table
         .filter(event::session_id.eq(session.to_string()))
         .filter(event::type_name.eq("session.next.execution.settled"))
         .order(event::seq.desc())
-        .limit(i64::try_from(MAX_ATTEMPTS).unwrap_or(i64::MAX))
-        .select(event::data)
-        .load(connection)?;
-    Ok(settled
+        .select(event::data);
+    let settled: Vec<String> = if matches!(connection, Conn::Sqlite(_)) {
+        query
+            .load_iter::<String, diesel::connection::DefaultLoadingMode>(connection)?
+            .take(MAX_ATTEMPTS)
+            .collect::<Result<_, _>>()?
+    } else {
+        query
+            .limit(i64::try_from(MAX_ATTEMPTS).unwrap_or(i64::MAX))
+            .load(connection)?
+    };
+    let in_a_row = settled
         .iter()
         .take_while(|data| {
             serde_json::from_str::<payload::ExecutionSettled>(data)
                 .is_ok_and(|s| s.outcome == Outcome::Recovered)
         })
-        .count())
+        .count();
+    Ok(in_a_row)
 }
 
 #[cfg(test)]
