@@ -94,7 +94,7 @@ impl Hub {
         };
         if let Some(followers) = followers {
             let json = match &live {
-                Live::Durable(envelope) | Live::Remote(envelope) => serialize(envelope),
+                Live::Durable(envelope) | Live::Remote(envelope) => envelope_json(envelope),
                 Live::Ephemeral(event) => serde_json::to_string(event).ok(),
             };
             if let Some(json) = json {
@@ -107,7 +107,9 @@ impl Hub {
     }
 }
 
-fn serialize(envelope: &Envelope) -> Option<String> {
+/// `envelope` as JSON, as every stream sends it; a failure is logged (and the event is
+/// left to the log).
+pub(crate) fn envelope_json(envelope: &Envelope) -> Option<String> {
     serde_json::to_string(envelope)
         .inspect_err(
             |e| tracing::error!(seq = envelope.seq, error = %e, "an event did not serialize"),

@@ -6,9 +6,10 @@
 //! that fails the step. Whatever the stream has ready goes out together: its durable
 //! events in one fenced write, then everything live in order ([`Outbox`]). Local tools
 //! start only after their `tool.called` commits, run concurrently, and are all joined
-//! before the step settles; the result of the last one commits with the step's end. A hosted call left unresolved at the end of the
-//! stream fails. Each step ends in exactly one of `step.ended`, `step.failed` or
-//! `step.interrupted`.
+//! before the step settles; the result of the last one is held for the step's end. A
+//! hosted call left unresolved at the end of the stream fails. Each step ends in exactly
+//! one of `step.ended`, `step.failed` or `step.interrupted`; a step that ended leaves
+//! those closing events to the drain ([`Ended`]).
 //!
 //! Before any output a retryable provider failure is sent again after a backoff
 //! ([`super::retry`]), and a context overflow compacts the history once and sends the

@@ -24,6 +24,7 @@ use tokio::sync::{broadcast, mpsc};
 
 use super::{ApiError, AppState};
 use crate::runner::Live;
+use crate::runner::live::envelope_json;
 
 type Events = Sse<
     axum::response::sse::KeepAliveStream<
@@ -41,13 +42,7 @@ fn stream(mut rx: mpsc::Receiver<Event>, heartbeat: std::time::Duration) -> Even
 }
 
 fn durable(envelope: &Envelope) -> Option<Event> {
-    match serde_json::to_string(envelope) {
-        Ok(json) => Some(Event::default().id(envelope.seq.to_string()).data(json)),
-        Err(e) => {
-            tracing::error!(seq = envelope.seq, error = %e, "an event did not serialize");
-            None
-        }
-    }
+    envelope_json(envelope).map(|json| Event::default().id(envelope.seq.to_string()).data(json))
 }
 
 pub async fn session_log(

@@ -4,8 +4,8 @@
 //! already waiting (up to the batch limit), begins one transaction (`BEGIN IMMEDIATE` on
 //! SQLite, so it never fails to upgrade a read lock), runs each write in its own savepoint
 //! (prepared statements, see [`in_savepoint`]), commits, and only then tells each caller
-//! its result. A write whose closure fails rolls
-//! back to its savepoint and leaves the others intact; a failed commit fails them all.
+//! its result. A write whose closure fails rolls back to its savepoint and leaves the
+//! others intact; a failed commit fails them all.
 //!
 //! A batch of one write needs no savepoint: if it fails, the whole transaction is rolled
 //! back instead, which undoes exactly that write. Writes arriving one at a time (a single
@@ -98,23 +98,29 @@ where
 
     Fixed::<Savepoint>::new().execute(connection)?;
     let result = write(connection);
-    let released = match &result {
-        Ok(_) => Fixed::<Release>::new().execute(connection).map(drop),
-        Err(_) => Err(diesel::result::Error::RollbackTransaction),
-    };
-    if let Err(error) = released {
-        let undone = Fixed::<RollbackTo>::new()
-            .execute(connection)
-            .and_then(|_| Fixed::<Release>::new().execute(connection));
-        if let Err(e) = undone {
-            panic!("a write's savepoint could not be rolled back: {e}");
+    if result.is_ok() {
+        match Fixed::<Release>::new().execute(connection) {
+            Ok(_) => return result,
+            Err(e) => {
+                undo_savepoint(connection);
+                return Err(E::from(e));
+            }
         }
-        return match result {
-            Ok(_) => Err(E::from(error)),
-            Err(e) => Err(e),
-        };
     }
+    undo_savepoint(connection);
     result
+}
+
+/// Rolls back to the write's savepoint and releases it.
+fn undo_savepoint(connection: &mut Conn) {
+    use diesel::RunQueryDsl;
+
+    let undone = Fixed::<RollbackTo>::new()
+        .execute(connection)
+        .and_then(|_| Fixed::<Release>::new().execute(connection));
+    if let Err(e) = undone {
+        panic!("a write's savepoint could not be rolled back: {e}");
+    }
 }
 
 /// The text of one fixed statement.

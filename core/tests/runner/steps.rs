@@ -387,8 +387,8 @@ async fn writes_and_events(responses: Vec<Vec<Item>>) -> (u64, usize) {
 #[tokio::test]
 async fn what_the_model_stream_has_ready_commits_in_one_write() {
     // The scripted model has each answer ready at once: however many fragments it holds,
-    // a burst costs one write (plus one for the call's result), so both runs commit the
-    // same number of writes while the second logs more events.
+    // a burst costs one write, so both runs commit the same number of writes while the
+    // second logs more events.
     let short = writes_and_events(vec![
         vec![text("Looking."), call("probe", json!({}))],
         vec![text("Done.")],
