@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::{Backend, Database, flags, median, report, runtime};
+use common::{Backend, Database, flags, median, option, report, runtime};
 use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection, RunQueryDsl, SqliteConnection};
 use keel_core::store::{DbUrl, Synchronous};
@@ -176,7 +176,28 @@ fn main() {
     let runtime = runtime();
     let group_total = plan.group_sessions * plan.group_events_per_session;
     let runs = plan.runs;
+    // `--only group` measures group commit alone, for profiling it.
+    let group_only = match option("--only").as_deref() {
+        None => false,
+        Some("group") => true,
+        Some(other) => panic!("--only takes group, not `{other}`"),
+    };
     for backend in Backend::chosen(postgres) {
+        if group_only {
+            let rates: Vec<f64> = (0..runs)
+                .map(|_| runtime.block_on(group(&plan, backend)).0)
+                .collect();
+            let sessions = plan.group_sessions;
+            report(
+                &format!("append, group commit across {sessions} sessions"),
+                median(&rates),
+                "events/s",
+                backend,
+                runs,
+                "",
+            );
+            continue;
+        }
         let singles: Vec<f64> = (0..runs)
             .map(|_| runtime.block_on(single(&plan, backend)))
             .collect();

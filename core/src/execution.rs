@@ -17,17 +17,15 @@
 //! node's clock: Keel assumes clock skew between nodes plus scheduling delay stays well
 //! below the lease (default 30 s). See `docs/execution.md`.
 
-use diesel::backend::Backend;
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use diesel::serialize::ToSql;
-use diesel::sql_types::{BigInt, HasSqlType, Text};
+use diesel::sql_types::{BigInt, Nullable, Text};
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{ExecutionId, MessageId, OwnerId, SessionId};
 use keel_schema::types::{ErrorInfo, Outcome, Phase};
 
 use crate::event::log::{self, db_int, from_db_int};
 use crate::event::projector::{parse_text, text_of};
+use crate::store::fixed::fixed_query;
 use crate::store::schema::session_execution;
 use crate::store::{self, Conn};
 
@@ -126,7 +124,7 @@ pub fn get(connection: &mut Conn, session_id: SessionId) -> Result<Option<ClaimR
             session_execution::expires_at,
             session_execution::recovery_error,
         ))
-        .first::<Row>(connection)
+        .get_result::<Row>(connection)
         .optional()?
         .map(from_row)
         .transpose()
@@ -212,48 +210,42 @@ pub fn check(connection: &mut Conn, now: i64, lease_ms: i64, claim: &Claim) -> R
     }
 }
 
-/// The fence's statement: `UPDATE session_execution SET expires_at = ? WHERE id = ? AND
-/// session_id = ? AND owner_id = ? AND expires_at > now`.
-///
-/// Every durable write of a step runs it, so it is written as its own query type: diesel
-/// prepares an `UPDATE` it builds afresh every time, while a query whose type says its SQL
-/// never changes is prepared once per connection (as `event::log` does for the seq
-/// counter).
-struct Renew<'a> {
-    id: &'a str,
-    session_id: &'a str,
-    owner_id: &'a str,
-    now: i64,
-    expires_at: i64,
-}
-
-impl QueryId for Renew<'_> {
-    type QueryId = Renew<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl<DB> QueryFragment<DB> for Renew<'_>
-where
-    DB: Backend + HasSqlType<BigInt> + HasSqlType<Text>,
-    i64: ToSql<BigInt, DB>,
-    str: ToSql<Text, DB>,
-{
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
-        out.push_sql(r#"UPDATE "session_execution" SET "expires_at" = "#);
-        out.push_bind_param::<BigInt, _>(&self.expires_at)?;
-        out.push_sql(r#" WHERE "id" = "#);
-        out.push_bind_param::<Text, _>(self.id)?;
-        out.push_sql(r#" AND "session_id" = "#);
-        out.push_bind_param::<Text, _>(self.session_id)?;
-        out.push_sql(r#" AND "owner_id" = "#);
-        out.push_bind_param::<Text, _>(self.owner_id)?;
-        out.push_sql(r#" AND "expires_at" > "#);
-        out.push_bind_param::<BigInt, _>(&self.now)?;
-        Ok(())
+fixed_query! {
+    /// The fence's statement: renews the exact claim while its lease runs. Every durable
+    /// write of a step runs it.
+    struct Renew<'a> {
+        id: &'a str,
+        session_id: &'a str,
+        owner_id: &'a str,
+        now: i64,
+        expires_at: i64,
     }
+    sql r#"UPDATE "session_execution" SET "expires_at" = "# {expires_at: BigInt}
+        r#" WHERE "id" = "# {id: Text} r#" AND "session_id" = "# {session_id: Text}
+        r#" AND "owner_id" = "# {owner_id: Text} r#" AND "expires_at" > "# {now: BigInt}
 }
 
-impl<C> RunQueryDsl<C> for Renew<'_> {}
+fixed_query! {
+    /// Sets the phase and assistant message of the exact claim.
+    struct SetPhase<'a> {
+        id: &'a str,
+        owner_id: &'a str,
+        phase: &'a str,
+        message: Option<&'a str>,
+        seq: Option<i64>,
+    }
+    sql r#"UPDATE "session_execution" SET "phase" = "# {phase: Text}
+        r#", "assistant_message_id" = "# {message: Nullable<Text>}
+        r#", "assistant_seq" = "# {seq: Nullable<BigInt>}
+        r#" WHERE "id" = "# {id: Text} r#" AND "owner_id" = "# {owner_id: Text}
+}
+
+fixed_query! {
+    /// Sets the phase of the exact claim, keeping its assistant message.
+    struct SetPhaseOnly<'a> { id: &'a str, owner_id: &'a str, phase: &'a str }
+    sql r#"UPDATE "session_execution" SET "phase" = "# {phase: Text}
+        r#" WHERE "id" = "# {id: Text} r#" AND "owner_id" = "# {owner_id: Text}
+}
 
 /// Runs `write` behind the fence, in the caller's transaction: the fence first, then the
 /// write. Any error rolls both back.
@@ -328,25 +320,26 @@ pub fn set_phase(
     phase: Phase,
     assistant: Option<(MessageId, u64)>,
 ) -> Result<(), Error> {
-    let (message, seq) = match assistant {
-        Some((message, seq)) => (Some(message.to_string()), Some(db_int(seq)?)),
-        None => (None, None),
-    };
-    let target = session_execution::table
-        .filter(session_execution::id.eq(claim.id.to_string()))
-        .filter(session_execution::owner_id.eq(claim.owner_id.to_string()));
-    let updated = if assistant.is_some() {
-        diesel::update(target)
-            .set((
-                session_execution::phase.eq(text_of(&phase)),
-                session_execution::assistant_message_id.eq(message),
-                session_execution::assistant_seq.eq(seq),
-            ))
-            .execute(connection)?
-    } else {
-        diesel::update(target)
-            .set(session_execution::phase.eq(text_of(&phase)))
-            .execute(connection)?
+    let (id, owner_id, phase) = (
+        &claim.id.to_string(),
+        &claim.owner_id.to_string(),
+        &text_of(&phase),
+    );
+    let updated = match assistant {
+        Some((message, seq)) => SetPhase {
+            id,
+            owner_id,
+            phase,
+            message: Some(&message.to_string()),
+            seq: Some(db_int(seq)?),
+        }
+        .execute(connection)?,
+        None => SetPhaseOnly {
+            id,
+            owner_id,
+            phase,
+        }
+        .execute(connection)?,
     };
     if updated == 1 {
         Ok(())

@@ -11,15 +11,13 @@
 //! its projection and its insert. Lookups by key use `get_result`, not `first`, whose
 //! bound `LIMIT` makes SQLite recompile the statement at every use.
 
-use diesel::backend::Backend;
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::serialize::ToSql;
-use diesel::sql_types::{BigInt, HasSqlType, Text};
+use diesel::sql_types::{BigInt, Integer, Text};
 use keel_schema::event::{DurableEvent, Envelope, RawEvent};
 use keel_schema::id::{EventId, SessionId};
 
 use super::projector;
+use crate::store::fixed::fixed_query;
 use crate::store::schema::{event, session};
 use crate::store::{Conn, Error, Store};
 
@@ -100,48 +98,17 @@ fn number(
     Ok(appended)
 }
 
-/// `UPDATE session SET last_seq = last_seq + by, time_updated = now WHERE id = session_id
-/// AND deleted_at IS NULL RETURNING last_seq`: reserves `by` seqs of a live session and
-/// returns the last of them, or no row for a deleted or unknown session.
-///
-/// Written as its own query type because diesel prepares every `UPDATE` it builds afresh
-/// (it cannot know the shape of an update is fixed), while a query whose type says it is
-/// always the same SQL is prepared once per connection and reused.
-#[derive(Debug, Clone, Copy)]
-struct Advance<'a> {
-    session_id: &'a str,
-    by: i64,
-    now: i64,
+fixed_query! {
+    /// `UPDATE session SET last_seq = last_seq + by, time_updated = now WHERE id =
+    /// session_id AND deleted_at IS NULL RETURNING last_seq`: reserves `by` seqs of a live
+    /// session and returns the last of them, or no row for a deleted or unknown session.
+    struct Advance<'a> { session_id: &'a str, by: i64, now: i64 }
+    returns BigInt;
+    sql r#"UPDATE "session" SET "last_seq" = "last_seq" + "# {by: BigInt}
+        r#", "time_updated" = "# {now: BigInt}
+        r#" WHERE "id" = "# {session_id: Text}
+        r#" AND "deleted_at" IS NULL RETURNING "last_seq""#
 }
-
-impl QueryId for Advance<'_> {
-    type QueryId = Advance<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl<DB> QueryFragment<DB> for Advance<'_>
-where
-    DB: Backend + HasSqlType<BigInt> + HasSqlType<Text>,
-    i64: ToSql<BigInt, DB>,
-    str: ToSql<Text, DB>,
-{
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
-        out.push_sql(r#"UPDATE "session" SET "last_seq" = "last_seq" + "#);
-        out.push_bind_param::<BigInt, _>(&self.by)?;
-        out.push_sql(r#", "time_updated" = "#);
-        out.push_bind_param::<BigInt, _>(&self.now)?;
-        out.push_sql(r#" WHERE "id" = "#);
-        out.push_bind_param::<Text, _>(self.session_id)?;
-        out.push_sql(r#" AND "deleted_at" IS NULL RETURNING "last_seq""#);
-        Ok(())
-    }
-}
-
-impl Query for Advance<'_> {
-    type SqlType = BigInt;
-}
-
-impl<C> RunQueryDsl<C> for Advance<'_> {}
 
 /// Adds events that already have their id, seq and time (a replay or an import) to the
 /// log, projecting each. They must continue the session's log without a gap.
@@ -217,25 +184,40 @@ fn set_last_seq(
 /// Projects one event and inserts it.
 fn apply(connection: &mut Conn, envelope: &Envelope) -> Result<(), Error> {
     projector::project(connection, envelope)?;
-    let raw = envelope.to_raw().map_err(|e| Error::Projection {
+    let data = envelope.event.data_json().map_err(|e| Error::Projection {
         session: envelope.session_id,
         key: key(&envelope.event),
         reason: format!("the payload does not serialize: {e}"),
     })?;
-    diesel::insert_into(event::table)
-        .values((
-            event::session_id.eq(raw.session_id.to_string()),
-            event::seq.eq(db_int(raw.seq)?),
-            event::id.eq(raw.id.to_string()),
-            event::type_name.eq(&raw.type_name),
-            event::version.eq(i32::try_from(raw.version).map_err(|_| {
-                Error::Corrupt(format!("event version {} is too large", raw.version))
-            })?),
-            event::data.eq(raw.data.to_string()),
-            event::time.eq(raw.time),
-        ))
-        .execute(connection)?;
+    let version = envelope.event.version();
+    InsertEvent {
+        session_id: &envelope.session_id.to_string(),
+        seq: db_int(envelope.seq)?,
+        id: &envelope.id.to_string(),
+        type_name: envelope.event.type_name(),
+        version: i32::try_from(version)
+            .map_err(|_| Error::Corrupt(format!("event version {version} is too large")))?,
+        data: &data,
+        time: envelope.time,
+    }
+    .execute(connection)?;
     Ok(())
+}
+
+fixed_query! {
+    /// Inserts one row of the log.
+    struct InsertEvent<'a> {
+        session_id: &'a str,
+        seq: i64,
+        id: &'a str,
+        type_name: &'a str,
+        version: i32,
+        data: &'a str,
+        time: i64,
+    }
+    sql r#"INSERT INTO "event" ("session_id", "seq", "id", "type", "version", "data", "time") VALUES ("#
+        {session_id: Text} ", " {seq: BigInt} ", " {id: Text} ", " {type_name: Text} ", "
+        {version: Integer} ", " {data: Text} ", " {time: BigInt} ")"
 }
 
 fn id_exists(connection: &mut Conn, id: EventId) -> Result<bool, Error> {

@@ -15,11 +15,8 @@
 
 use std::collections::HashMap;
 
-use diesel::backend::Backend;
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use diesel::serialize::ToSql;
-use diesel::sql_types::{BigInt, HasSqlType, Text};
+use diesel::sql_types::{BigInt, Bool, Double, Nullable, Text};
 use keel_schema::api::{AssistantPart, InputStatus, Message, StepEnd, ToolStatus};
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{CallId, InputId, MessageId, SessionId};
@@ -28,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::log::{db_int, from_db_int};
+use crate::store::fixed::fixed_query;
 use crate::store::schema::{session, session_input, session_message, session_tool};
 use crate::store::{Conn, Error};
 
@@ -103,14 +101,42 @@ impl Projection<'_> {
         let envelope = self.envelope;
         match &envelope.event {
             DurableEvent::Created(e) => self.created(e),
-            DurableEvent::Renamed(e) => self.update_session(session::title.eq(Some(&e.title))),
-            DurableEvent::AgentSwitched(e) => self.update_session(session::agent.eq(&e.agent)),
-            DurableEvent::ModelSwitched(e) => self.update_session((
-                session::model_provider.eq(&e.model.provider),
-                session::model_id.eq(&e.model.id),
-            )),
+            DurableEvent::Renamed(e) => {
+                let id = &self.session().to_string();
+                SetTitle {
+                    id,
+                    title: &e.title,
+                }
+                .execute(self.connection)?;
+                Ok(())
+            }
+            DurableEvent::AgentSwitched(e) => {
+                let id = &self.session().to_string();
+                SetAgent {
+                    id,
+                    agent: &e.agent,
+                }
+                .execute(self.connection)?;
+                Ok(())
+            }
+            DurableEvent::ModelSwitched(e) => {
+                let id = &self.session().to_string();
+                SetModel {
+                    id,
+                    provider: &e.model.provider,
+                    model: &e.model.id,
+                }
+                .execute(self.connection)?;
+                Ok(())
+            }
             DurableEvent::Deleted(_) => {
-                self.update_session(session::deleted_at.eq(Some(envelope.time)))
+                let id = &self.session().to_string();
+                SetDeleted {
+                    id,
+                    at: envelope.time,
+                }
+                .execute(self.connection)?;
+                Ok(())
             }
             DurableEvent::PromptAdmitted(e) => self.admitted(e),
             DurableEvent::PromptExecutionRequested(e) => self.execution_requested(e.input_id),
@@ -264,30 +290,17 @@ impl Projection<'_> {
         Ok(())
     }
 
-    fn update_session<V>(&mut self, values: V) -> Result<(), Error>
-    where
-        V: diesel::AsChangeset<Target = session::table>,
-        diesel::dsl::Update<diesel::dsl::Find<session::table, String>, V>:
-            diesel::query_dsl::methods::ExecuteDsl<Conn>,
-    {
-        diesel::update(session::table.find(self.session().to_string()))
-            .set(values)
-            .execute(self.connection)?;
-        Ok(())
-    }
-
     fn add_usage(&mut self, usage: Usage, cost: f64) -> Result<(), Error> {
-        diesel::update(session::table.find(self.session().to_string()))
-            .set((
-                session::usage_input.eq(session::usage_input + db_int(usage.input)?),
-                session::usage_output.eq(session::usage_output + db_int(usage.output)?),
-                session::usage_reasoning.eq(session::usage_reasoning + db_int(usage.reasoning)?),
-                session::usage_cache_read.eq(session::usage_cache_read + db_int(usage.cache_read)?),
-                session::usage_cache_write
-                    .eq(session::usage_cache_write + db_int(usage.cache_write)?),
-                session::cost.eq(session::cost + cost),
-            ))
-            .execute(self.connection)?;
+        AddUsage {
+            id: &self.session().to_string(),
+            input: db_int(usage.input)?,
+            output: db_int(usage.output)?,
+            reasoning: db_int(usage.reasoning)?,
+            cache_read: db_int(usage.cache_read)?,
+            cache_write: db_int(usage.cache_write)?,
+            cost,
+        }
+        .execute(self.connection)?;
         Ok(())
     }
 
@@ -334,17 +347,17 @@ impl Projection<'_> {
         let row = InputRow::find(self.connection, input_id)?
             .filter(|row| row.session_id == self.session().to_string())
             .ok_or_else(|| self.refuse(format!("no input {input_id} in this session")))?;
-        diesel::update(session_input::table.find(row.id))
-            .set(session_input::execution_requested.eq(true))
-            .execute(self.connection)?;
+        RequestExecution { id: &row.id }.execute(self.connection)?;
         Ok(())
     }
 
     fn cancelled(&mut self, input_id: InputId) -> Result<(), Error> {
         let row = self.pending_input(input_id)?;
-        diesel::update(session_input::table.find(row.id))
-            .set(session_input::cancelled_seq.eq(Some(self.seq()?)))
-            .execute(self.connection)?;
+        CancelInput {
+            id: &row.id,
+            seq: self.seq()?,
+        }
+        .execute(self.connection)?;
         Ok(())
     }
 
@@ -358,12 +371,12 @@ impl Projection<'_> {
         }
         let parts: Vec<Part> = serde_json::from_str(&row.parts)
             .map_err(|err| Error::Corrupt(format!("input {} parts: {err}", e.input_id)))?;
-        diesel::update(session_input::table.find(&row.id))
-            .set((
-                session_input::promoted_seq.eq(Some(self.seq()?)),
-                session_input::message_id.eq(Some(e.message_id.to_string())),
-            ))
-            .execute(self.connection)?;
+        PromoteInput {
+            id: &row.id,
+            seq: self.seq()?,
+            message_id: Some(&e.message_id.to_string()),
+        }
+        .execute(self.connection)?;
         self.insert_message(
             e.message_id,
             &Message::User {
@@ -380,9 +393,12 @@ impl Projection<'_> {
         if !row.kind()?.is_control() {
             return Err(self.refuse(format!("input {input_id} is a prompt, not a control input")));
         }
-        diesel::update(session_input::table.find(&row.id))
-            .set(session_input::promoted_seq.eq(Some(self.seq()?)))
-            .execute(self.connection)?;
+        PromoteInput {
+            id: &row.id,
+            seq: self.seq()?,
+            message_id: None,
+        }
+        .execute(self.connection)?;
         Ok(())
     }
 
@@ -397,23 +413,21 @@ impl Projection<'_> {
         };
         let data = serde_json::to_string(message)
             .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
-        diesel::insert_into(session_message::table)
-            .values((
-                session_message::id.eq(id.to_string()),
-                session_message::session_id.eq(self.session().to_string()),
-                session_message::seq.eq(self.seq()?),
-                session_message::role.eq(role),
-                session_message::data.eq(data),
-                session_message::updated_seq.eq(self.seq()?),
-            ))
-            .execute(self.connection)
-            .map_err(|err| match err {
-                diesel::result::Error::DatabaseError(
-                    diesel::result::DatabaseErrorKind::UniqueViolation,
-                    _,
-                ) => self.refuse(format!("message {id} already exists")),
-                other => other.into(),
-            })?;
+        InsertMessage {
+            id: &id.to_string(),
+            session_id: &self.session().to_string(),
+            seq: self.seq()?,
+            role,
+            data: &data,
+        }
+        .execute(self.connection)
+        .map_err(|err| match err {
+            diesel::result::Error::DatabaseError(
+                diesel::result::DatabaseErrorKind::UniqueViolation,
+                _,
+            ) => self.refuse(format!("message {id} already exists")),
+            other => other.into(),
+        })?;
         Ok(())
     }
 
@@ -532,16 +546,17 @@ impl Projection<'_> {
                 provider_result: None,
             },
         )?;
-        diesel::insert_into(session_tool::table)
-            .values((
-                session_tool::session_id.eq(self.session().to_string()),
-                session_tool::call_id.eq(e.call_id.to_string()),
-                session_tool::message_id.eq(e.assistant_message_id.to_string()),
-                session_tool::name.eq(&e.name),
-                session_tool::status.eq("pending"),
-                session_tool::provider_executed.eq(false),
-            ))
-            .execute(self.connection)?;
+        InsertTool {
+            session_id: &self.session().to_string(),
+            call_id: &e.call_id.to_string(),
+            message_id: &e.assistant_message_id.to_string(),
+            name: &e.name,
+            effect: None,
+            status: "pending",
+            provider_executed: false,
+            input: None,
+        }
+        .execute(self.connection)?;
         Ok(())
     }
 
@@ -585,32 +600,31 @@ impl Projection<'_> {
             }
             Ok(())
         })?;
-        let input_text = e.input.to_string();
+        let input = e.input.to_string();
+        let effect = text_of(&e.effect);
+        let (session_id, call_id) = (&self.session().to_string(), &call_id.to_string());
         if streamed {
-            diesel::update(
-                session_tool::table.find((self.session().to_string(), call_id.to_string())),
-            )
-            .set((
-                session_tool::name.eq(&e.name),
-                session_tool::effect.eq(Some(text_of(&e.effect))),
-                session_tool::status.eq("running"),
-                session_tool::provider_executed.eq(e.provider_executed),
-                session_tool::input.eq(Some(input_text)),
-            ))
+            CallTool {
+                session_id,
+                call_id,
+                name: &e.name,
+                effect: &effect,
+                provider_executed: e.provider_executed,
+                input: &input,
+            }
             .execute(self.connection)?;
         } else {
-            diesel::insert_into(session_tool::table)
-                .values((
-                    session_tool::session_id.eq(self.session().to_string()),
-                    session_tool::call_id.eq(call_id.to_string()),
-                    session_tool::message_id.eq(e.assistant_message_id.to_string()),
-                    session_tool::name.eq(&e.name),
-                    session_tool::effect.eq(Some(text_of(&e.effect))),
-                    session_tool::status.eq("running"),
-                    session_tool::provider_executed.eq(e.provider_executed),
-                    session_tool::input.eq(Some(input_text)),
-                ))
-                .execute(self.connection)?;
+            InsertTool {
+                session_id,
+                call_id,
+                message_id: &e.assistant_message_id.to_string(),
+                name: &e.name,
+                effect: Some(&effect),
+                status: "running",
+                provider_executed: e.provider_executed,
+                input: Some(&input),
+            }
+            .execute(self.connection)?;
         }
         Ok(())
     }
@@ -669,12 +683,13 @@ impl Projection<'_> {
             }
             Ok(())
         })?;
-        diesel::update(session_tool::table.find((self.session().to_string(), call_id.to_string())))
-            .set((
-                session_tool::status.eq(status),
-                session_tool::output.eq(Some(written)),
-            ))
-            .execute(self.connection)?;
+        ResolveTool {
+            session_id: &self.session().to_string(),
+            call_id: &call_id.to_string(),
+            status,
+            output: &written,
+        }
+        .execute(self.connection)?;
         Ok(())
     }
 
@@ -722,14 +737,14 @@ impl Projection<'_> {
         if let Some(reason) = unresolved {
             let output = serde_json::to_string(&ToolOutput::Failure { error: reason })
                 .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;
+            let session_id = &self.session().to_string();
             for call_id in failed {
-                diesel::update(
-                    session_tool::table.find((self.session().to_string(), call_id.to_string())),
-                )
-                .set((
-                    session_tool::status.eq("error"),
-                    session_tool::output.eq(Some(&output)),
-                ))
+                ResolveTool {
+                    session_id,
+                    call_id: &call_id.to_string(),
+                    status: "error",
+                    output: &output,
+                }
                 .execute(self.connection)?;
             }
         }
@@ -741,43 +756,121 @@ impl Projection<'_> {
     }
 }
 
-/// `UPDATE session_message SET data = $data, updated_seq = $seq WHERE id = $id`: how
-/// every event of a step stores its assistant message, so the hottest statement of the
-/// projector.
-///
-/// Its own query type, because diesel prepares every `UPDATE` it builds afresh (it cannot
-/// know an update's shape is fixed), while a query whose type says it is always the same
-/// SQL is prepared once per connection and reused.
-#[derive(Debug, Clone, Copy)]
-struct SetMessageData<'a> {
-    id: &'a str,
-    data: &'a str,
-    seq: i64,
+// The projections' statements, each prepared once per connection (see
+// `crate::store::fixed`). Every event projects through one or two of them.
+
+fixed_query! {
+    /// How every event of a step stores its assistant message: the hottest statement of
+    /// the projector.
+    struct SetMessageData<'a> { id: &'a str, data: &'a str, seq: i64 }
+    sql r#"UPDATE "session_message" SET "data" = "# {data: Text}
+        r#", "updated_seq" = "# {seq: BigInt} r#" WHERE "id" = "# {id: Text}
 }
 
-impl QueryId for SetMessageData<'_> {
-    type QueryId = SetMessageData<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
+fixed_query! {
+    struct InsertMessage<'a> { id: &'a str, session_id: &'a str, seq: i64, role: &'a str, data: &'a str }
+    sql r#"INSERT INTO "session_message" ("id", "session_id", "seq", "role", "data", "updated_seq") VALUES ("#
+        {id: Text} ", " {session_id: Text} ", " {seq: BigInt} ", " {role: Text} ", "
+        {data: Text} ", " {seq: BigInt} ")"
 }
 
-impl<DB> QueryFragment<DB> for SetMessageData<'_>
-where
-    DB: Backend + HasSqlType<Text> + HasSqlType<BigInt>,
-    str: ToSql<Text, DB>,
-    i64: ToSql<BigInt, DB>,
-{
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
-        out.push_sql(r#"UPDATE "session_message" SET "data" = "#);
-        out.push_bind_param::<Text, _>(self.data)?;
-        out.push_sql(r#", "updated_seq" = "#);
-        out.push_bind_param::<BigInt, _>(&self.seq)?;
-        out.push_sql(r#" WHERE "id" = "#);
-        out.push_bind_param::<Text, _>(self.id)?;
-        Ok(())
+fixed_query! {
+    struct SetTitle<'a> { id: &'a str, title: &'a str }
+    sql r#"UPDATE "session" SET "title" = "# {title: Text} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    struct SetAgent<'a> { id: &'a str, agent: &'a str }
+    sql r#"UPDATE "session" SET "agent" = "# {agent: Text} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    struct SetModel<'a> { id: &'a str, provider: &'a str, model: &'a str }
+    sql r#"UPDATE "session" SET "model_provider" = "# {provider: Text}
+        r#", "model_id" = "# {model: Text} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    struct SetDeleted<'a> { id: &'a str, at: i64 }
+    sql r#"UPDATE "session" SET "deleted_at" = "# {at: BigInt} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    /// Adds a step's usage and cost to the session's totals.
+    struct AddUsage<'a> {
+        id: &'a str,
+        input: i64,
+        output: i64,
+        reasoning: i64,
+        cache_read: i64,
+        cache_write: i64,
+        cost: f64,
     }
+    sql r#"UPDATE "session" SET "usage_input" = "usage_input" + "# {input: BigInt}
+        r#", "usage_output" = "usage_output" + "# {output: BigInt}
+        r#", "usage_reasoning" = "usage_reasoning" + "# {reasoning: BigInt}
+        r#", "usage_cache_read" = "usage_cache_read" + "# {cache_read: BigInt}
+        r#", "usage_cache_write" = "usage_cache_write" + "# {cache_write: BigInt}
+        r#", "cost" = "cost" + "# {cost: Double} r#" WHERE "id" = "# {id: Text}
 }
 
-impl<C> RunQueryDsl<C> for SetMessageData<'_> {}
+fixed_query! {
+    struct RequestExecution<'a> { id: &'a str }
+    sql r#"UPDATE "session_input" SET "execution_requested" = TRUE WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    struct CancelInput<'a> { id: &'a str, seq: i64 }
+    sql r#"UPDATE "session_input" SET "cancelled_seq" = "# {seq: BigInt}
+        r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    /// Promotes an input: a prompt with the message it became, a control input without.
+    struct PromoteInput<'a> { id: &'a str, seq: i64, message_id: Option<&'a str> }
+    sql r#"UPDATE "session_input" SET "promoted_seq" = "# {seq: BigInt}
+        r#", "message_id" = "# {message_id: Nullable<Text>} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    /// A tool call's row, when its input starts streaming (pending) or it is called.
+    struct InsertTool<'a> {
+        session_id: &'a str,
+        call_id: &'a str,
+        message_id: &'a str,
+        name: &'a str,
+        effect: Option<&'a str>,
+        status: &'a str,
+        provider_executed: bool,
+        input: Option<&'a str>,
+    }
+    sql r#"INSERT INTO "session_tool" ("session_id", "call_id", "message_id", "name", "effect", "status", "provider_executed", "input") VALUES ("#
+        {session_id: Text} ", " {call_id: Text} ", " {message_id: Text} ", " {name: Text} ", "
+        {effect: Nullable<Text>} ", " {status: Text} ", " {provider_executed: Bool} ", "
+        {input: Nullable<Text>} ")"
+}
+
+fixed_query! {
+    /// A streamed call, called: its row gets the parsed input.
+    struct CallTool<'a> {
+        session_id: &'a str,
+        call_id: &'a str,
+        name: &'a str,
+        effect: &'a str,
+        provider_executed: bool,
+        input: &'a str,
+    }
+    sql r#"UPDATE "session_tool" SET "name" = "# {name: Text} r#", "effect" = "# {effect: Text}
+        r#", "status" = 'running', "provider_executed" = "# {provider_executed: Bool}
+        r#", "input" = "# {input: Text}
+        r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+}
+
+fixed_query! {
+    struct ResolveTool<'a> { session_id: &'a str, call_id: &'a str, status: &'a str, output: &'a str }
+    sql r#"UPDATE "session_tool" SET "status" = "# {status: Text} r#", "output" = "# {output: Text}
+        r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+}
 
 /// The editable parts of an assistant message.
 struct AssistantView<'a> {

@@ -17,6 +17,7 @@
 //!   refused.
 
 mod conn;
+pub(crate) mod fixed;
 mod migrate;
 pub mod schema;
 mod url;

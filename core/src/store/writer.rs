@@ -25,6 +25,7 @@ use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use tokio::sync::{mpsc, oneshot};
 
 use super::conn::Settings;
+use super::fixed::fixed_query;
 use super::{Conn, Error, Failpoint, Stats};
 
 /// Tells a caller how its write ended, once the batch's commit is known.
@@ -83,8 +84,8 @@ where
 /// Runs `write` in a savepoint of the batch transaction: an `Err` undoes this write only.
 ///
 /// diesel's nested transactions would do the same, but send `SAVEPOINT` and `RELEASE` as
-/// plain SQL that is parsed again for every write; these statements are fixed query types,
-/// prepared once per connection. A savepoint that cannot be rolled back leaves the
+/// plain SQL that is parsed again for every write; these statements are fixed queries
+/// (see [`super::fixed`]), prepared once per connection. A savepoint that cannot be rolled back leaves the
 /// transaction in an unknown state, so it panics, which the batch handles like any
 /// panicking write: everything in the transaction is rolled back and failed.
 fn in_savepoint<T, E>(
@@ -96,10 +97,10 @@ where
 {
     use diesel::RunQueryDsl;
 
-    Fixed::<Savepoint>::new().execute(connection)?;
+    Savepoint.execute(connection)?;
     let result = write(connection);
     if result.is_ok() {
-        match Fixed::<Release>::new().execute(connection) {
+        match Release.execute(connection) {
             Ok(_) => return result,
             Err(e) => {
                 undo_savepoint(connection);
@@ -115,60 +116,28 @@ where
 fn undo_savepoint(connection: &mut Conn) {
     use diesel::RunQueryDsl;
 
-    let undone = Fixed::<RollbackTo>::new()
+    let undone = RollbackTo
         .execute(connection)
-        .and_then(|_| Fixed::<Release>::new().execute(connection));
+        .and_then(|_| Release.execute(connection));
     if let Err(e) = undone {
         panic!("a write's savepoint could not be rolled back: {e}");
     }
 }
 
-/// The text of one fixed statement.
-trait Statement: 'static {
-    const SQL: &'static str;
+fixed_query! {
+    struct Savepoint;
+    sql "SAVEPOINT keel_write"
 }
 
-struct Savepoint;
-struct Release;
-struct RollbackTo;
-
-impl Statement for Savepoint {
-    const SQL: &'static str = "SAVEPOINT keel_write";
-}
-impl Statement for Release {
-    const SQL: &'static str = "RELEASE SAVEPOINT keel_write";
-}
-impl Statement for RollbackTo {
-    const SQL: &'static str = "ROLLBACK TO SAVEPOINT keel_write";
+fixed_query! {
+    struct Release;
+    sql "RELEASE SAVEPOINT keel_write"
 }
 
-/// A statement whose SQL never changes; its type is its cache key.
-struct Fixed<S>(std::marker::PhantomData<S>);
-
-impl<S> Fixed<S> {
-    fn new() -> Self {
-        Self(std::marker::PhantomData)
-    }
+fixed_query! {
+    struct RollbackTo;
+    sql "ROLLBACK TO SAVEPOINT keel_write"
 }
-
-impl<S: Statement> diesel::query_builder::QueryId for Fixed<S> {
-    type QueryId = Self;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl<S: Statement, DB: diesel::backend::Backend> diesel::query_builder::QueryFragment<DB>
-    for Fixed<S>
-{
-    fn walk_ast<'b>(
-        &'b self,
-        mut out: diesel::query_builder::AstPass<'_, 'b, DB>,
-    ) -> diesel::QueryResult<()> {
-        out.push_sql(S::SQL);
-        Ok(())
-    }
-}
-
-impl<S, C> diesel::RunQueryDsl<C> for Fixed<S> {}
 
 /// How many writes may wait for the writer before callers wait to submit.
 const QUEUE: usize = 4096;

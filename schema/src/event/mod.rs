@@ -161,6 +161,21 @@ macro_rules! events {
                 }
             }
 
+            /// The payload as JSON text of the latest version, written without building a
+            /// [`Value`] first (the same text, as maps keep their order).
+            pub fn data_json(&self) -> Result<String, serde_json::Error> {
+                match self {
+                    $(Self::$variant(payload) => serde_json::to_string(payload),)+
+                }
+            }
+
+            /// Writes the payload of the latest version to `serializer`.
+            fn serialize_data<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                match self {
+                    $(Self::$variant(payload) => payload.serialize(serializer),)+
+                }
+            }
+
             /// Reads a payload stored as `type_name.version`, upcasting older versions.
             pub fn decode(type_name: &str, version: u32, data: Value) -> Result<Self, DecodeError> {
                 match (type_name, version) {
@@ -325,10 +340,47 @@ impl Envelope {
 }
 
 impl Serialize for Envelope {
+    /// The shape of [`RawEvent`], written straight from the payload: envelopes are
+    /// serialized for every stream and every stored event, so no [`Value`] is built.
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        self.to_raw()
-            .map_err(serde::ser::Error::custom)?
-            .serialize(serializer)
+        /// Field for field the order of [`RawEvent`].
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            id: EventId,
+            session_id: SessionId,
+            seq: u64,
+            #[serde(rename = "type")]
+            type_name: &'static str,
+            version: u32,
+            time: i64,
+            data: Data<'a, DurableEvent>,
+        }
+
+        Wire {
+            id: self.id,
+            session_id: self.session_id,
+            seq: self.seq,
+            type_name: self.event.type_name(),
+            version: self.event.version(),
+            time: self.time,
+            data: Data(&self.event),
+        }
+        .serialize(serializer)
+    }
+}
+
+/// An event's payload, serialized in place (the envelopes' `data`).
+struct Data<'a, E>(&'a E);
+
+impl Serialize for Data<'_, DurableEvent> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize_data(serializer)
+    }
+}
+
+impl Serialize for Data<'_, EphemeralEvent> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize_data(serializer)
     }
 }
 
@@ -404,7 +456,7 @@ pub struct EphemeralEnvelope {
     pub event: EphemeralEvent,
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawEphemeral {
     session_id: SessionId,
@@ -416,13 +468,26 @@ struct RawEphemeral {
 }
 
 impl Serialize for EphemeralEnvelope {
+    /// The shape of [`RawEphemeral`], written straight from the payload (every token
+    /// delta goes through here).
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        RawEphemeral {
+        /// Field for field the order of [`RawEphemeral`].
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            session_id: SessionId,
+            #[serde(rename = "type")]
+            type_name: &'static str,
+            version: u32,
+            time: i64,
+            data: Data<'a, EphemeralEvent>,
+        }
+
+        Wire {
             session_id: self.session_id,
-            type_name: self.event.type_name().to_owned(),
+            type_name: self.event.type_name(),
             version: self.event.version(),
             time: self.time,
-            data: self.event.data().map_err(serde::ser::Error::custom)?,
+            data: Data(&self.event),
         }
         .serialize(serializer)
     }

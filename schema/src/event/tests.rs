@@ -57,6 +57,49 @@ fn latest_examples_encode_back_to_exactly_the_example() {
 }
 
 #[test]
+fn direct_serialization_writes_the_same_text_as_the_stored_form() {
+    for entry in catalog().filter(|e| e.latest && e.durability == Durability::Durable) {
+        let event =
+            DurableEvent::decode(entry.type_name, entry.version, (entry.example)()).unwrap();
+        assert_eq!(
+            event.data_json().unwrap(),
+            event.data().unwrap().to_string(),
+            "{}",
+            entry.key()
+        );
+        let original = envelope(event);
+        assert_eq!(
+            serde_json::to_string(&original).unwrap(),
+            serde_json::to_string(&original.to_raw().unwrap()).unwrap(),
+            "{}",
+            entry.key()
+        );
+    }
+    for entry in catalog().filter(|e| e.latest && e.durability == Durability::Ephemeral) {
+        let event =
+            EphemeralEvent::decode(entry.type_name, entry.version, (entry.example)()).unwrap();
+        let expected = json!({
+            "session_id": sample::session(),
+            "type": entry.type_name,
+            "version": entry.version,
+            "time": 1,
+            "data": event.data().unwrap(),
+        });
+        let original = EphemeralEnvelope {
+            session_id: sample::session(),
+            time: 1,
+            event,
+        };
+        assert_eq!(
+            serde_json::to_string(&original).unwrap(),
+            expected.to_string(),
+            "{}",
+            entry.key()
+        );
+    }
+}
+
+#[test]
 fn catalog_versions_count_up_from_one_and_the_highest_is_the_one_written() {
     let mut versions: BTreeMap<&str, Vec<(u32, bool)>> = BTreeMap::new();
     for entry in catalog() {
