@@ -18,7 +18,7 @@
 
 use diesel::prelude::*;
 use keel_schema::api::{Input, InputStatus};
-use keel_schema::event::{DurableEvent, payload};
+use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{InputId, MessageId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, Part};
 
@@ -265,6 +265,17 @@ pub fn promote(
     session_id: SessionId,
     boundary: Boundary,
 ) -> Result<Promotion, Error> {
+    promote_into(connection, now, session_id, boundary, &mut Vec::new())
+}
+
+/// [`promote`], adding the events it appended to `written`.
+pub fn promote_into(
+    connection: &mut Conn,
+    now: i64,
+    session_id: SessionId,
+    boundary: Boundary,
+    written: &mut Vec<Envelope>,
+) -> Result<Promotion, Error> {
     let pending = pending(connection, session_id)?;
     let view: Vec<Pending> = pending
         .iter()
@@ -296,7 +307,7 @@ pub fn promote(
                     })
                 })
                 .collect();
-            log::append(connection, now, session_id, events)?;
+            written.extend(log::append(connection, now, session_id, events)?);
             Ok(Promotion::Prompts(promoted))
         }
     }

@@ -14,6 +14,7 @@ pub mod openai;
 pub mod scripted;
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use futures::Stream;
 use keel_schema::types::{ErrorInfo, Finish, ModelRef, Part, ToolContent, Usage};
@@ -139,7 +140,8 @@ pub struct Request {
     pub model: ModelRef,
     pub system: String,
     pub turns: Vec<Turn>,
-    pub tools: Vec<ToolSpec>,
+    /// Shared: the same definitions go with every request.
+    pub tools: Arc<[ToolSpec]>,
     pub tool_choice: ToolChoice,
     pub max_output_tokens: Option<u32>,
 }

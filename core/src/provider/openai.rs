@@ -542,7 +542,7 @@ mod tests {
             },
             system: String::new(),
             turns: Vec::new(),
-            tools: Vec::new(),
+            tools: std::sync::Arc::from([]),
             tool_choice: ToolChoice::Auto,
             max_output_tokens: Some(100),
         };

@@ -139,7 +139,7 @@ impl Engine {
             model: info.model.clone(),
             system: SUMMARY_SYSTEM.into(),
             turns,
-            tools: self.tool_specs(),
+            tools: self.specs.clone(),
             tool_choice: ToolChoice::None,
             max_output_tokens: self.limits(&info.model).map(|l| saturate(l.output)),
         };

@@ -201,6 +201,8 @@ struct Held {
 pub struct Engine {
     store: Store,
     settings: Arc<Settings>,
+    /// The tool definitions every request carries.
+    specs: Arc<[crate::provider::ToolSpec]>,
     held: Mutex<HashMap<SessionId, Held>>,
     live: live::Hub,
     waiting: Mutex<HashMap<RequestId, oneshot::Sender<Reply>>>,
@@ -218,6 +220,7 @@ impl Runner {
         Self {
             coordinator: Coordinator::new(Engine {
                 store,
+                specs: tools::tool_specs(&settings.tools),
                 settings: Arc::new(settings),
                 held: Mutex::new(HashMap::new()),
                 live: live::Hub::default(),
@@ -545,11 +548,11 @@ impl Engine {
             let counted = step_number;
             let boundary_work = self
                 .fenced(&held, move |c, now| {
-                    let before = log::last_seq(c, session)?.unwrap_or(0);
-                    if let Some((_, closing)) = ending {
-                        log::append(c, now, session, closing)?;
-                    }
-                    let promotion = inbox::promote(c, now, session, boundary)?;
+                    let mut written = match ending {
+                        Some((_, closing)) => log::append(c, now, session, closing)?,
+                        None => Vec::new(),
+                    };
+                    let promotion = inbox::promote_into(c, now, session, boundary, &mut written)?;
                     transcript.refresh(c, session)?;
                     let info = projector::session_info(c, session)?;
                     let next = next_step(
@@ -563,11 +566,13 @@ impl Engine {
                     // The step's start rides along when nothing has to come before it.
                     let started = match (&info, next) {
                         (Some(info), Some(number)) if settings.starts_directly(info) => {
-                            Some(step::start_step(c, now, &claim, info, number)?.0)
+                            let (started, envelopes) =
+                                step::start_step(c, now, &claim, info, number)?;
+                            written.extend(envelopes);
+                            Some(started)
                         }
                         _ => None,
                     };
-                    let written = log::read(c, session, before, u32::MAX)?;
                     Ok((promotion, written, transcript, info, next, started))
                 })
                 .await;

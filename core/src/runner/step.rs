@@ -31,11 +31,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::publisher::{Publisher, coalesce};
-use super::tools::{Done, QUESTION, question_spec, result_event};
+use super::tools::{Done, QUESTION, result_event};
 use super::{Engine, Error, Held, context};
 use crate::event::projector;
 use crate::execution;
-use crate::provider::{self, Provider, ToolChoice, ToolSpec};
+use crate::provider::{self, Provider, ToolChoice};
 
 /// How a step ended, as far as the drain needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,7 +111,6 @@ impl Engine {
         let agent = self.agent(&info.agent)?;
         let provider = self.provider(&info.model)?;
         let last_step = step_number >= agent.max_steps;
-        let specs = self.tool_specs();
         let mut known: HashMap<String, Effect> = self
             .settings
             .tools
@@ -124,7 +123,7 @@ impl Engine {
             model: info.model.clone(),
             system: agent.system.clone(),
             turns: context::turns(messages),
-            tools: specs,
+            tools: self.specs.clone(),
             tool_choice: if last_step {
                 ToolChoice::None
             } else {
@@ -405,22 +404,6 @@ impl Engine {
                     model.provider
                 ))
             })
-    }
-
-    /// The tools as the model sees them: the registry's and the question.
-    pub(super) fn tool_specs(&self) -> Vec<ToolSpec> {
-        let mut specs: Vec<ToolSpec> = self
-            .settings
-            .tools
-            .iter()
-            .map(|t| ToolSpec {
-                name: t.name().into(),
-                description: t.description().into(),
-                input_schema: t.input_schema(),
-            })
-            .collect();
-        specs.push(question_spec());
-        specs
     }
 
     /// A provider failure and the wait before sending the request again, or the failure

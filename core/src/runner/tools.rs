@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use keel_schema::event::{DurableEvent, EphemeralEvent, payload};
 use keel_schema::id::{CallId, RequestId};
@@ -20,7 +21,21 @@ use crate::tool;
 /// What the built-in `question` tool takes.
 pub(super) const QUESTION: &str = "question";
 
-pub(super) fn question_spec() -> ToolSpec {
+/// The tools as the model sees them: the registry's and the question. Built once per
+/// runner and shared by every request (a schema takes a while to generate).
+pub(super) fn tool_specs(tools: &tool::Registry) -> Arc<[ToolSpec]> {
+    tools
+        .iter()
+        .map(|t| ToolSpec {
+            name: t.name().into(),
+            description: t.description().into(),
+            input_schema: t.input_schema(),
+        })
+        .chain(std::iter::once(question_spec()))
+        .collect()
+}
+
+fn question_spec() -> ToolSpec {
     ToolSpec {
         name: QUESTION.into(),
         description: "Ask the user a question and wait for the answer.".into(),

@@ -362,7 +362,7 @@ fn request() -> Request {
         turns: vec![Turn::User {
             parts: vec![Part::Text { text: "hi".into() }],
         }],
-        tools: Vec::new(),
+        tools: std::sync::Arc::from([]),
         tool_choice: ToolChoice::Auto,
         max_output_tokens: Some(256),
     }

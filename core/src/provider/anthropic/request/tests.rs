@@ -15,7 +15,8 @@ fn request(turns: Vec<Turn>) -> Request {
             name: "read".into(),
             description: "Reads a file.".into(),
             input_schema: json!({"type": "object"}),
-        }],
+        }]
+        .into(),
         tool_choice: ToolChoice::Auto,
         max_output_tokens: None,
     }
@@ -251,7 +252,7 @@ fn the_last_step_disables_tools_and_thinking_raises_the_default_limit() {
 
     let mut limited = request(vec![user("hi")]);
     limited.max_output_tokens = Some(1_000);
-    limited.tools.clear();
+    limited.tools = std::sync::Arc::from([]);
     let body = super::body(&limited, None);
     assert_eq!(body["max_tokens"], json!(1_000));
     assert!(
