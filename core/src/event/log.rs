@@ -44,27 +44,20 @@ pub fn append(
     let Some(first) = events.first() else {
         return Ok(Vec::new());
     };
+    let id = session_id.to_string();
     if matches!(first, DurableEvent::Created(_)) {
         if lock_session(connection, session_id)?.is_some() {
             return Err(Error::SessionExists(session_id));
         }
-        let appended = number(connection, now, session_id, 0, events)?;
+        let appended = number(connection, now, (session_id, &id), 0, events)?;
         let last = appended.last().map_or(0, |e| e.seq);
         set_last_seq(connection, session_id, last, now)?;
         return Ok(appended);
     }
-    // The counter moves first, in one statement that also takes the row lock and checks
-    // the session is live; an error below rolls it back with the events.
+    // The counter moves first, which also takes the row lock and checks the session is
+    // live; an error below rolls it back with the events.
     let count = db_int(events.len() as u64)?;
-    let id = session_id.to_string();
-    let advanced = Advance {
-        session_id: &id,
-        by: count,
-        now,
-    }
-    .get_result::<i64>(connection)
-    .optional()?;
-    let Some(last) = advanced else {
+    let Some(last) = advance(connection, &id, count, now)? else {
         // Nothing was changed: say why.
         return Err(match lock_session(connection, session_id)? {
             Some(_) => Error::SessionDeleted(session_id),
@@ -72,14 +65,43 @@ pub fn append(
         });
     };
     let base = from_db_int(last - count)?;
-    number(connection, now, session_id, base, events)
+    number(connection, now, (session_id, &id), base, events)
 }
 
-/// Numbers `events` after `base`, projects and inserts each.
+/// Reserves `by` seqs of a live session and returns the last of them, or `None` for a
+/// deleted or unknown session.
+fn advance(connection: &mut Conn, id: &str, by: i64, now: i64) -> Result<Option<i64>, Error> {
+    match connection {
+        // SQLite runs a RETURNING clause through a temporary table: the update and a
+        // lookup of the row it wrote cost a third less.
+        Conn::Sqlite(_) => {
+            let advance = Advance {
+                session_id: id,
+                by,
+                now,
+            };
+            if advance.execute(connection)? == 0 {
+                return Ok(None);
+            }
+            Ok(Some(LastSeq { session_id: id }.get_result(connection)?))
+        }
+        // PostgreSQL answers in the same round trip.
+        Conn::Pg(_) => Ok(AdvanceReturning {
+            session_id: id,
+            by,
+            now,
+        }
+        .get_result(connection)
+        .optional()?),
+    }
+}
+
+/// Numbers `events` after `base`, projects and inserts each. The session is given as
+/// its id and that id as stored.
 fn number(
     connection: &mut Conn,
     now: i64,
-    session_id: SessionId,
+    (session_id, id): (SessionId, &str),
     base: u64,
     events: Vec<DurableEvent>,
 ) -> Result<Vec<Envelope>, Error> {
@@ -92,22 +114,35 @@ fn number(
             time: now,
             event,
         };
-        apply(connection, &envelope)?;
+        apply(connection, &envelope, id)?;
         appended.push(envelope);
     }
     Ok(appended)
 }
 
 fixed_query! {
-    /// `UPDATE session SET last_seq = last_seq + by, time_updated = now WHERE id =
-    /// session_id AND deleted_at IS NULL RETURNING last_seq`: reserves `by` seqs of a live
-    /// session and returns the last of them, or no row for a deleted or unknown session.
+    /// Moves a live session's counter on by `by` (no row changes for a deleted or
+    /// unknown session).
     struct Advance<'a> { session_id: &'a str, by: i64, now: i64 }
+    sql r#"UPDATE "session" SET "last_seq" = "last_seq" + "# {by: BigInt}
+        r#", "time_updated" = "# {now: BigInt}
+        r#" WHERE "id" = "# {session_id: Text} r#" AND "deleted_at" IS NULL"#
+}
+
+fixed_query! {
+    /// [`Advance`], returning the counter (no row for a deleted or unknown session).
+    struct AdvanceReturning<'a> { session_id: &'a str, by: i64, now: i64 }
     returns BigInt;
     sql r#"UPDATE "session" SET "last_seq" = "last_seq" + "# {by: BigInt}
         r#", "time_updated" = "# {now: BigInt}
         r#" WHERE "id" = "# {session_id: Text}
         r#" AND "deleted_at" IS NULL RETURNING "last_seq""#
+}
+
+fixed_query! {
+    struct LastSeq<'a> { session_id: &'a str }
+    returns BigInt;
+    sql r#"SELECT "last_seq" FROM "session" WHERE "id" = "# {session_id: Text}
 }
 
 /// Adds events that already have their id, seq and time (a replay or an import) to the
@@ -136,7 +171,7 @@ pub fn import(connection: &mut Conn, envelopes: &[Envelope]) -> Result<(), Error
         if id_exists(connection, envelope.id)? {
             return Err(Error::DuplicateEventId(envelope.id));
         }
-        apply(connection, envelope)?;
+        apply(connection, envelope, &envelope.session_id.to_string())?;
         set_last_seq(connection, envelope.session_id, envelope.seq, envelope.time)?;
     }
     Ok(())
@@ -181,9 +216,9 @@ fn set_last_seq(
     Ok(())
 }
 
-/// Projects one event and inserts it.
-fn apply(connection: &mut Conn, envelope: &Envelope) -> Result<(), Error> {
-    projector::project(connection, envelope)?;
+/// Projects one event and inserts it. `session_id` is the envelope's, as stored.
+fn apply(connection: &mut Conn, envelope: &Envelope, session_id: &str) -> Result<(), Error> {
+    projector::project(connection, envelope, session_id)?;
     let data = envelope.event.data_json().map_err(|e| Error::Projection {
         session: envelope.session_id,
         key: key(&envelope.event),
@@ -191,7 +226,7 @@ fn apply(connection: &mut Conn, envelope: &Envelope) -> Result<(), Error> {
     })?;
     let version = envelope.event.version();
     InsertEvent {
-        session_id: &envelope.session_id.to_string(),
+        session_id,
         seq: db_int(envelope.seq)?,
         id: &envelope.id.to_string(),
         type_name: envelope.event.type_name(),

@@ -29,11 +29,13 @@ use crate::store::fixed::fixed_query;
 use crate::store::schema::{session, session_input, session_message, session_tool};
 use crate::store::{Conn, Error};
 
-/// Applies one event to the projections.
-pub fn project(connection: &mut Conn, envelope: &Envelope) -> Result<(), Error> {
+/// Applies one event to the projections. `session_id` is the envelope's session as
+/// stored (formatted once by the caller for all of an append's statements).
+pub fn project(connection: &mut Conn, envelope: &Envelope, session_id: &str) -> Result<(), Error> {
     let mut projection = Projection {
         connection,
         envelope,
+        session_id,
     };
     projection.apply()
 }
@@ -77,6 +79,8 @@ pub enum ToolOutput {
 struct Projection<'a> {
     connection: &'a mut Conn,
     envelope: &'a Envelope,
+    /// The envelope's session as stored.
+    session_id: &'a str,
 }
 
 impl Projection<'_> {
@@ -102,7 +106,7 @@ impl Projection<'_> {
         match &envelope.event {
             DurableEvent::Created(e) => self.created(e),
             DurableEvent::Renamed(e) => {
-                let id = &self.session().to_string();
+                let id = self.session_id;
                 SetTitle {
                     id,
                     title: &e.title,
@@ -111,7 +115,7 @@ impl Projection<'_> {
                 Ok(())
             }
             DurableEvent::AgentSwitched(e) => {
-                let id = &self.session().to_string();
+                let id = self.session_id;
                 SetAgent {
                     id,
                     agent: &e.agent,
@@ -120,7 +124,7 @@ impl Projection<'_> {
                 Ok(())
             }
             DurableEvent::ModelSwitched(e) => {
-                let id = &self.session().to_string();
+                let id = self.session_id;
                 SetModel {
                     id,
                     provider: &e.model.provider,
@@ -130,7 +134,7 @@ impl Projection<'_> {
                 Ok(())
             }
             DurableEvent::Deleted(_) => {
-                let id = &self.session().to_string();
+                let id = self.session_id;
                 SetDeleted {
                     id,
                     at: envelope.time,
@@ -270,7 +274,7 @@ impl Projection<'_> {
         let time = self.envelope.time;
         diesel::insert_into(session::table)
             .values((
-                session::id.eq(self.session().to_string()),
+                session::id.eq(self.session_id),
                 session::title.eq(&e.title),
                 session::directory.eq(&e.directory),
                 session::agent.eq(&e.agent),
@@ -292,7 +296,7 @@ impl Projection<'_> {
 
     fn add_usage(&mut self, usage: Usage, cost: f64) -> Result<(), Error> {
         AddUsage {
-            id: &self.session().to_string(),
+            id: self.session_id,
             input: db_int(usage.input)?,
             output: db_int(usage.output)?,
             reasoning: db_int(usage.reasoning)?,
@@ -312,7 +316,7 @@ impl Projection<'_> {
         diesel::insert_into(session_input::table)
             .values((
                 session_input::id.eq(e.input_id.to_string()),
-                session_input::session_id.eq(self.session().to_string()),
+                session_input::session_id.eq(self.session_id),
                 session_input::kind.eq(text_of(&e.kind)),
                 session_input::delivery.eq(text_of(&e.delivery)),
                 session_input::parts.eq(parts),
@@ -335,7 +339,7 @@ impl Projection<'_> {
     /// The input, which must belong to this session and still be pending.
     fn pending_input(&mut self, input_id: InputId) -> Result<InputRow, Error> {
         let row = InputRow::find(self.connection, input_id)?
-            .filter(|row| row.session_id == self.session().to_string())
+            .filter(|row| row.session_id == self.session_id)
             .ok_or_else(|| self.refuse(format!("no input {input_id} in this session")))?;
         match row.status() {
             InputStatus::Pending => Ok(row),
@@ -345,7 +349,7 @@ impl Projection<'_> {
 
     fn execution_requested(&mut self, input_id: InputId) -> Result<(), Error> {
         let row = InputRow::find(self.connection, input_id)?
-            .filter(|row| row.session_id == self.session().to_string())
+            .filter(|row| row.session_id == self.session_id)
             .ok_or_else(|| self.refuse(format!("no input {input_id} in this session")))?;
         RequestExecution { id: &row.id }.execute(self.connection)?;
         Ok(())
@@ -415,7 +419,7 @@ impl Projection<'_> {
             .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
         InsertMessage {
             id: &id.to_string(),
-            session_id: &self.session().to_string(),
+            session_id: self.session_id,
             seq: self.seq()?,
             role,
             data: &data,
@@ -445,7 +449,7 @@ impl Projection<'_> {
         let Some((owner, data)) = row else {
             return Err(self.refuse(format!("no message {id}")));
         };
-        if owner != self.session().to_string() {
+        if owner != self.session_id {
             return Err(self.refuse(format!("message {id} belongs to another session")));
         }
         let mut message: Message = serde_json::from_str(&data)
@@ -547,7 +551,7 @@ impl Projection<'_> {
             },
         )?;
         InsertTool {
-            session_id: &self.session().to_string(),
+            session_id: self.session_id,
             call_id: &e.call_id.to_string(),
             message_id: &e.assistant_message_id.to_string(),
             name: &e.name,
@@ -602,7 +606,7 @@ impl Projection<'_> {
         })?;
         let input = e.input.to_string();
         let effect = text_of(&e.effect);
-        let (session_id, call_id) = (&self.session().to_string(), &call_id.to_string());
+        let (session_id, call_id) = (self.session_id, &call_id.to_string());
         if streamed {
             CallTool {
                 session_id,
@@ -631,7 +635,7 @@ impl Projection<'_> {
 
     fn tool_row(&mut self, call_id: CallId) -> Result<Option<ToolRow>, Error> {
         Ok(session_tool::table
-            .find((self.session().to_string(), call_id.to_string()))
+            .find((self.session_id, call_id.to_string()))
             .select((session_tool::message_id, session_tool::status))
             .get_result::<(String, String)>(self.connection)
             .optional()?
@@ -684,7 +688,7 @@ impl Projection<'_> {
             Ok(())
         })?;
         ResolveTool {
-            session_id: &self.session().to_string(),
+            session_id: self.session_id,
             call_id: &call_id.to_string(),
             status,
             output: &written,
@@ -737,7 +741,7 @@ impl Projection<'_> {
         if let Some(reason) = unresolved {
             let output = serde_json::to_string(&ToolOutput::Failure { error: reason })
                 .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;
-            let session_id = &self.session().to_string();
+            let session_id = self.session_id;
             for call_id in failed {
                 ResolveTool {
                     session_id,
