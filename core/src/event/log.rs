@@ -6,10 +6,11 @@
 //! `last_seq` is the counter; it is advanced (locking the row on PostgreSQL) before any
 //! event is numbered, so concurrent appends to one session serialize.
 //!
-//! Appending is the hottest write Keel has, so its statements are few and prepared once:
-//! one statement advances the counter and returns it ([`Advance`]), then each event costs
-//! its projection and its insert. Lookups by key use `get_result`, not `first`, whose
-//! bound `LIMIT` makes SQLite recompile the statement at every use.
+//! Appending is the hottest write Keel has, so its statements are few and prepared once
+//! (fixed statements, see [`crate::store::fixed`]): the counter is advanced and read back
+//! ([`advance`]), then each event costs its projection and its insert. Lookups by key use
+//! `get_result`, not `first`, whose bound `LIMIT` makes SQLite recompile the statement at
+//! every use.
 
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text};
@@ -73,7 +74,7 @@ pub fn append(
 fn advance(connection: &mut Conn, id: &str, by: i64, now: i64) -> Result<Option<i64>, Error> {
     match connection {
         // SQLite runs a RETURNING clause through a temporary table: the update and a
-        // lookup of the row it wrote cost a third less.
+        // lookup of the row it wrote cost about a quarter less.
         Conn::Sqlite(_) => {
             let advance = Advance {
                 session_id: id,

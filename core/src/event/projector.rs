@@ -101,47 +101,36 @@ impl Projection<'_> {
         db_int(self.envelope.seq)
     }
 
+    /// Runs a statement that returns no rows.
+    fn run(
+        &mut self,
+        statement: impl diesel::query_dsl::methods::ExecuteDsl<Conn>,
+    ) -> Result<(), Error> {
+        diesel::query_dsl::methods::ExecuteDsl::execute(statement, self.connection)?;
+        Ok(())
+    }
+
     fn apply(&mut self) -> Result<(), Error> {
         let envelope = self.envelope;
         match &envelope.event {
             DurableEvent::Created(e) => self.created(e),
-            DurableEvent::Renamed(e) => {
-                let id = self.session_id;
-                SetTitle {
-                    id,
-                    title: &e.title,
-                }
-                .execute(self.connection)?;
-                Ok(())
-            }
-            DurableEvent::AgentSwitched(e) => {
-                let id = self.session_id;
-                SetAgent {
-                    id,
-                    agent: &e.agent,
-                }
-                .execute(self.connection)?;
-                Ok(())
-            }
-            DurableEvent::ModelSwitched(e) => {
-                let id = self.session_id;
-                SetModel {
-                    id,
-                    provider: &e.model.provider,
-                    model: &e.model.id,
-                }
-                .execute(self.connection)?;
-                Ok(())
-            }
-            DurableEvent::Deleted(_) => {
-                let id = self.session_id;
-                SetDeleted {
-                    id,
-                    at: envelope.time,
-                }
-                .execute(self.connection)?;
-                Ok(())
-            }
+            DurableEvent::Renamed(e) => self.run(SetTitle {
+                id: self.session_id,
+                title: &e.title,
+            }),
+            DurableEvent::AgentSwitched(e) => self.run(SetAgent {
+                id: self.session_id,
+                agent: &e.agent,
+            }),
+            DurableEvent::ModelSwitched(e) => self.run(SetModel {
+                id: self.session_id,
+                provider: &e.model.provider,
+                model: &e.model.id,
+            }),
+            DurableEvent::Deleted(_) => self.run(SetDeleted {
+                id: self.session_id,
+                at: envelope.time,
+            }),
             DurableEvent::PromptAdmitted(e) => self.admitted(e),
             DurableEvent::PromptExecutionRequested(e) => self.execution_requested(e.input_id),
             DurableEvent::PromptCancelled(e) => self.cancelled(e.input_id),
