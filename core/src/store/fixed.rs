@@ -40,22 +40,7 @@ macro_rules! fixed_query {
             const HAS_STATIC_QUERY_ID: bool = true;
         }
 
-        impl diesel::query_builder::QueryFragment<
-            <$crate::store::Conn as diesel::Connection>::Backend,
-        > for $name<'_>
-        {
-            fn walk_ast<'b>(
-                &'b self,
-                mut out: diesel::query_builder::AstPass<
-                    '_,
-                    'b,
-                    <$crate::store::Conn as diesel::Connection>::Backend,
-                >,
-            ) -> diesel::QueryResult<()> {
-                $($crate::store::fixed::fixed_query!(@piece self out $piece);)+
-                Ok(())
-            }
-        }
+        $crate::store::fixed::fixed_query!(@fragment [$name<'_>] $($piece)+);
 
         $(
             impl diesel::query_builder::Query for $name<'_> {
@@ -80,9 +65,15 @@ macro_rules! fixed_query {
             const HAS_STATIC_QUERY_ID: bool = true;
         }
 
+        $crate::store::fixed::fixed_query!(@fragment [$name] $($piece)+);
+
+        impl<C> diesel::RunQueryDsl<C> for $name {}
+    };
+    // The SQL and binds, for the one backend type every connection has.
+    (@fragment [$($target:tt)+] $($piece:tt)+) => {
         impl diesel::query_builder::QueryFragment<
             <$crate::store::Conn as diesel::Connection>::Backend,
-        > for $name
+        > for $($target)+
         {
             fn walk_ast<'b>(
                 &'b self,
@@ -92,12 +83,10 @@ macro_rules! fixed_query {
                     <$crate::store::Conn as diesel::Connection>::Backend,
                 >,
             ) -> diesel::QueryResult<()> {
-                $(out.push_sql($piece);)+
+                $($crate::store::fixed::fixed_query!(@piece self out $piece);)+
                 Ok(())
             }
         }
-
-        impl<C> diesel::RunQueryDsl<C> for $name {}
     };
     (@piece $self:ident $out:ident $text:literal) => {
         $out.push_sql($text);
