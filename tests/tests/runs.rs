@@ -94,6 +94,12 @@ async fn an_interrupt_mid_stream_ends_the_step_and_the_session_takes_the_next_pr
         ..LogOptions::default()
     };
     let mut log = client.session_log_with(session, options);
+    // Deltas are live only: the stream must be following before the model speaks.
+    loop {
+        if let LogItem::Synced(_) = log.next().await.unwrap().unwrap() {
+            break;
+        }
+    }
     client
         .prompt(session, &PromptRequest::text("count"))
         .await
