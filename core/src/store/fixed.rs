@@ -8,7 +8,7 @@
 //! [`fixed_query!`], which makes a query type whose identity is its type: prepared once
 //! per connection, looked up without building any text.
 //!
-//! ```ignore
+//! ```text
 //! fixed_query! {
 //!     /// `UPDATE session SET title = ? WHERE id = ?`
 //!     struct SetTitle<'a> { title: Option<&'a str>, id: &'a str }
