@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::log::{db_int, from_db_int};
-use crate::store::fixed::fixed_query;
+use crate::store::fixed::{Execute, fixed_query};
 use crate::store::schema::{session, session_input, session_message, session_tool};
 use crate::store::{Conn, Error};
 
@@ -101,12 +101,9 @@ impl Projection<'_> {
         db_int(self.envelope.seq)
     }
 
-    /// Runs a statement that returns no rows.
-    fn run(
-        &mut self,
-        statement: impl diesel::query_dsl::methods::ExecuteDsl<Conn>,
-    ) -> Result<(), Error> {
-        diesel::query_dsl::methods::ExecuteDsl::execute(statement, self.connection)?;
+    /// Runs a fixed statement.
+    fn run(&mut self, statement: impl Execute) -> Result<(), Error> {
+        statement.execute_on(self.connection)?;
         Ok(())
     }
 

@@ -40,7 +40,8 @@ macro_rules! fixed_query {
             const HAS_STATIC_QUERY_ID: bool = true;
         }
 
-        $crate::store::fixed::fixed_query!(@fragment [$name<'_>] $($piece)+);
+        $crate::store::fixed::fixed_query!(@fragments [$name<'_>] $($piece)+);
+        $crate::store::fixed::fixed_query!(@execute [$name<'_>]);
 
         $(
             impl diesel::query_builder::Query for $name<'_> {
@@ -65,26 +66,49 @@ macro_rules! fixed_query {
             const HAS_STATIC_QUERY_ID: bool = true;
         }
 
-        $crate::store::fixed::fixed_query!(@fragment [$name] $($piece)+);
+        $crate::store::fixed::fixed_query!(@fragments [$name] $($piece)+);
+        $crate::store::fixed::fixed_query!(@execute [$name]);
 
         impl<C> diesel::RunQueryDsl<C> for $name {}
     };
-    // The SQL and binds, for the one backend type every connection has.
-    (@fragment [$($target:tt)+] $($piece:tt)+) => {
-        impl diesel::query_builder::QueryFragment<
-            <$crate::store::Conn as diesel::Connection>::Backend,
-        > for $($target)+
-        {
+    // The SQL and binds, for `Conn`'s backend and for each backend's own connection.
+    (@fragments [$($target:tt)+] $($piece:tt)+) => {
+        $crate::store::fixed::fixed_query!(@fragment
+            [<$crate::store::Conn as diesel::Connection>::Backend] [$($target)+] $($piece)+);
+        $crate::store::fixed::fixed_query!(@fragment
+            [diesel::sqlite::Sqlite] [$($target)+] $($piece)+);
+        $crate::store::fixed::fixed_query!(@fragment [diesel::pg::Pg] [$($target)+] $($piece)+);
+    };
+    (@fragment [$backend:ty] [$($target:tt)+] $($piece:tt)+) => {
+        impl diesel::query_builder::QueryFragment<$backend> for $($target)+ {
             fn walk_ast<'b>(
                 &'b self,
-                mut out: diesel::query_builder::AstPass<
-                    '_,
-                    'b,
-                    <$crate::store::Conn as diesel::Connection>::Backend,
-                >,
+                mut out: diesel::query_builder::AstPass<'_, 'b, $backend>,
             ) -> diesel::QueryResult<()> {
                 $($crate::store::fixed::fixed_query!(@piece self out $piece);)+
                 Ok(())
+            }
+        }
+    };
+    // `execute` on the backend's own connection: `Conn`'s would walk the binds twice.
+    (@execute [$($target:tt)+]) => {
+        impl $crate::store::fixed::Execute for $($target)+ {
+            fn execute_on(self, connection: &mut $crate::store::Conn) -> diesel::QueryResult<usize> {
+                match connection {
+                    $crate::store::Conn::Sqlite(c) => diesel::RunQueryDsl::execute(self, c),
+                    $crate::store::Conn::Pg(c) => diesel::RunQueryDsl::execute(self, c),
+                }
+            }
+        }
+
+        impl $($target)+ {
+            /// Runs the statement; returns how many rows it changed.
+            #[allow(dead_code)] // Statements that return rows are loaded instead.
+            pub(crate) fn execute(
+                self,
+                connection: &mut $crate::store::Conn,
+            ) -> diesel::QueryResult<usize> {
+                $crate::store::fixed::Execute::execute_on(self, connection)
             }
         }
     };
@@ -97,3 +121,14 @@ macro_rules! fixed_query {
 }
 
 pub(crate) use fixed_query;
+
+/// A fixed statement that returns no rows, run on the backend's own connection.
+///
+/// Through [`Conn`](crate::store::Conn) (diesel's `MultiConnection`), every statement's
+/// binds are collected once for the connection type and again for the backend; a fixed
+/// statement knows its SQL for each backend, so it goes straight to the backend's
+/// connection. Its inherent `execute` calls this, so `statement.execute(connection)`
+/// reads as diesel's.
+pub(crate) trait Execute {
+    fn execute_on(self, connection: &mut crate::store::Conn) -> diesel::QueryResult<usize>;
+}

@@ -95,8 +95,6 @@ fn in_savepoint<T, E>(
 where
     E: From<diesel::result::Error>,
 {
-    use diesel::RunQueryDsl;
-
     Savepoint.execute(connection)?;
     let result = write(connection);
     if result.is_ok() {
@@ -114,8 +112,6 @@ where
 
 /// Rolls back to the write's savepoint and releases it.
 fn undo_savepoint(connection: &mut Conn) {
-    use diesel::RunQueryDsl;
-
     let undone = RollbackTo
         .execute(connection)
         .and_then(|_| Release.execute(connection));
