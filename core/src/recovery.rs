@@ -480,23 +480,13 @@ fn validate_assistant(
 
 /// How many of the session's latest executions in a row settled `recovered`.
 fn recoveries_in_a_row(connection: &mut Conn, session: SessionId) -> Result<usize, store::Error> {
-    // Newest first, at most MAX_ATTEMPTS. On SQLite without a bound `LIMIT`, which would
-    // make it recompile the statement at every use: it steps rows only as they are read.
+    // Newest first, at most MAX_ATTEMPTS.
     let query = event::table
         .filter(event::session_id.eq(session.to_string()))
         .filter(event::type_name.eq("session.next.execution.settled"))
         .order(event::seq.desc())
         .select(event::data);
-    let settled: Vec<String> = if matches!(connection, Conn::Sqlite(_)) {
-        query
-            .load_iter::<String, diesel::connection::DefaultLoadingMode>(connection)?
-            .take(MAX_ATTEMPTS)
-            .collect::<Result<_, _>>()?
-    } else {
-        query
-            .limit(i64::try_from(MAX_ATTEMPTS).unwrap_or(i64::MAX))
-            .load(connection)?
-    };
+    let settled: Vec<String> = store::load_at_most(connection, query, MAX_ATTEMPTS)?;
     let in_a_row = settled
         .iter()
         .take_while(|data| {

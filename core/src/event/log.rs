@@ -20,7 +20,7 @@ use keel_schema::id::{EventId, SessionId};
 use super::projector;
 use crate::store::fixed::fixed_query;
 use crate::store::schema::{event, session};
-use crate::store::{Conn, Error, Store};
+use crate::store::{Conn, Error, Store, load_at_most};
 
 /// Converts a seq or count to the database's integer.
 pub(crate) fn db_int(value: u64) -> Result<i64, Error> {
@@ -302,18 +302,8 @@ pub fn read_raw(
             event::data,
             event::time,
         ));
-    let rows: Vec<EventRow> = if matches!(connection, Conn::Sqlite(_)) {
-        // SQLite recompiles a statement at every use once its `LIMIT` is a bound
-        // parameter; it steps rows only as they are read, so stopping early costs the
-        // same and keeps the statement prepared.
-        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        query
-            .load_iter::<EventRow, diesel::connection::DefaultLoadingMode>(connection)?
-            .take(limit)
-            .collect::<Result<_, _>>()?
-    } else {
-        query.limit(i64::from(limit)).load(connection)?
-    };
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    let rows: Vec<EventRow> = load_at_most(connection, query, limit)?;
     rows.into_iter().map(raw_from_row).collect()
 }
 

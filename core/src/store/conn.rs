@@ -113,3 +113,34 @@ impl ManageConnection for Manager {
         <Conn as Connection>::TransactionManager::is_broken_transaction_manager(connection)
     }
 }
+
+/// Loads at most `at_most` rows of `query`.
+///
+/// SQLite recompiles a statement at every use once its `LIMIT` is a bound parameter; it
+/// steps rows only as they are read, so stopping early costs the same and keeps the
+/// statement prepared. PostgreSQL gets the `LIMIT`, so it sends no more rows than asked.
+pub(crate) fn load_at_most<'query, Q, U>(
+    connection: &mut Conn,
+    query: Q,
+    at_most: usize,
+) -> diesel::QueryResult<Vec<U>>
+where
+    U: 'static,
+    Q: diesel::query_dsl::methods::LimitDsl
+        + diesel::query_dsl::LoadQuery<'query, Conn, U>
+        + 'query,
+    diesel::dsl::Limit<Q>: diesel::query_dsl::LoadQuery<'query, Conn, U>,
+{
+    use diesel::RunQueryDsl;
+
+    if matches!(connection, Conn::Sqlite(_)) {
+        query
+            .load_iter::<U, diesel::connection::DefaultLoadingMode>(connection)?
+            .take(at_most)
+            .collect()
+    } else {
+        query
+            .limit(i64::try_from(at_most).unwrap_or(i64::MAX))
+            .load(connection)
+    }
+}

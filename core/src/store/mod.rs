@@ -30,6 +30,7 @@ use diesel::r2d2::Pool;
 use keel_schema::event::DecodeError;
 use keel_schema::id::{EventId, SessionId};
 
+pub(crate) use conn::load_at_most;
 pub use conn::{Conn, Synchronous};
 pub use url::DbUrl;
 
