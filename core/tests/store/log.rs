@@ -9,7 +9,7 @@ use keel_schema::id::{EventId, MessageId, SessionId};
 
 use crate::backend_tests;
 use crate::lifecycle::{Rows, rows};
-use crate::support::{T0, TestDb, created, new_session};
+use crate::support::{T0, TestDb, created, new_session, new_sessions};
 
 fn renamed(title: &str) -> DurableEvent {
     DurableEvent::Renamed(payload::Renamed {
@@ -212,10 +212,7 @@ async fn reads_return_events_after_a_seq_up_to_a_limit(db: TestDb) {
 
 async fn concurrent_appends_to_many_sessions_are_group_committed_in_order(db: TestDb) {
     let store = db.open().await;
-    let mut sessions = Vec::new();
-    for _ in 0..64 {
-        sessions.push(new_session(&store).await);
-    }
+    let sessions = new_sessions(&store, 64).await;
     let (batches_before, writes_before) = store.stats();
     let mut tasks = Vec::new();
     for (n, &session) in sessions.iter().enumerate() {
@@ -262,10 +259,7 @@ async fn concurrent_appends_to_many_sessions_are_group_committed_in_order(db: Te
 
 async fn a_failing_write_in_a_shared_transaction_undoes_only_itself(db: TestDb) {
     let store = db.open().await;
-    let mut sessions = Vec::new();
-    for _ in 0..48 {
-        sessions.push(new_session(&store).await);
-    }
+    let sessions = new_sessions(&store, 48).await;
     let (batches_before, writes_before) = store.stats();
     let mut tasks = Vec::new();
     for (n, &session) in sessions.iter().enumerate() {

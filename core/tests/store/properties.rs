@@ -12,7 +12,7 @@ use keel_schema::types::{CompactionReason, Delivery, InputKind, InputSource, Par
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-use crate::support::{TestDb, new_session};
+use crate::support::{TestDb, new_session, new_sessions};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -230,10 +230,7 @@ fn plan() -> impl Strategy<Value = Plan> {
 }
 
 async fn check_concurrent_appends(store: &Store, plan: Plan) {
-    let mut sessions = Vec::new();
-    for _ in 0..4 {
-        sessions.push(new_session(store).await);
-    }
+    let sessions = new_sessions(store, 4).await;
     let mut tasks = Vec::new();
     for (task, appends) in plan.iter().cloned().enumerate() {
         let store = store.clone();

@@ -150,6 +150,15 @@ pub fn created(title: &str) -> DurableEvent {
     })
 }
 
+/// Creates `count` sessions and returns their ids.
+pub async fn new_sessions(store: &Store, count: usize) -> Vec<SessionId> {
+    let mut sessions = Vec::with_capacity(count);
+    for _ in 0..count {
+        sessions.push(new_session(store).await);
+    }
+    sessions
+}
+
 /// Creates a session and returns its id.
 pub async fn new_session(store: &Store) -> SessionId {
     let id = SessionId::new();
