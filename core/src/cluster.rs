@@ -49,6 +49,13 @@ const ROUTE_CHANNEL: &str = "keel_route";
 /// The longest notification payload: PostgreSQL's limit is 8000 bytes.
 const MAX_PAYLOAD: usize = 7_900;
 
+/// Why the cluster bus could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("the cluster bus thread could not start: {0}")]
+    Spawn(#[source] std::io::Error),
+}
+
 /// What a node says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeInfo {
@@ -224,7 +231,12 @@ pub struct Bus {
 impl Bus {
     /// Starts the bus thread on its own connection to `url`, and the task that announces
     /// this node's commits. Runs until `shutdown`.
-    pub fn start(url: String, runner: Runner, store: Store, shutdown: CancellationToken) -> Self {
+    pub fn start(
+        url: String,
+        runner: Runner,
+        store: Store,
+        shutdown: CancellationToken,
+    ) -> Result<Self, Error> {
         let (outgoing, queue) = mpsc::channel();
         let bus = Self { outgoing };
         let handle = tokio::runtime::Handle::current();
@@ -238,10 +250,9 @@ impl Bus {
         std::thread::Builder::new()
             .name("keel-bus".into())
             .spawn(move || receiver.run(&url, &queue, &stop))
-            .map_err(|e| tracing::error!(error = %e, "the bus thread did not start"))
-            .ok();
+            .map_err(Error::Spawn)?;
         tokio::spawn(announce(bus.clone(), runner, shutdown));
-        bus
+        Ok(bus)
     }
 
     /// Sends `route` to the node it names. Fails when it does not fit in a notification

@@ -1,13 +1,21 @@
-//! keel-core: Keel's engine.
+//! keel-core: Keel's engine, as a library. The `keel` binary (feature `cli`, on by
+//! default) lives in `src/bin/keel/`; `default-features = false` builds this library alone.
 //!
+//! Modules, from the database up (docs/architecture.md draws them):
+//! - [`clock`]: injectable time, so tests never sleep.
+//! - [`config`]: `keel.toml`: providers, models and agents.
 //! - [`store`]: the database (SQLite or PostgreSQL), migrations, group-committed writes.
-//! - [`event`]: the event log and the projections built from it.
+//! - [`event`]: the event log, the projections written from it and the views read from them.
+//! - [`inbox`]: admission of inputs and their promotion into the transcript.
 //! - [`execution`]: claims, leases and the fence.
 //! - [`coordinator`]: at most one drain per session; wakes, joins, interrupts.
-//! - [`inbox`]: admission of inputs and their promotion into the transcript.
+//! - [`provider`]: model requests as streams of LLM events; one adapter per API.
 //! - [`tool`]: the tools the model can call, confined to the session directory.
-//! - [`clock`]: injectable time.
+//! - [`runner`]: drains a session through the model and its tools, fenced.
+//! - [`recovery`]: takes over the executions of dead owners, exactly once.
 //! - [`cluster`]: several nodes on one database: the node table, LISTEN/NOTIFY.
+//! - [`server`]: the HTTP routes and event streams.
+//! - [`node`]: one serving process, all of the above wired together and run.
 
 pub mod clock;
 pub mod cluster;
@@ -16,6 +24,7 @@ pub mod coordinator;
 pub mod event;
 pub mod execution;
 pub mod inbox;
+pub mod node;
 pub mod provider;
 pub mod recovery;
 pub mod runner;

@@ -1,0 +1,98 @@
+//! `keel serve`: the node's options from flags, environment and `keel.toml`, then the
+//! node itself until SIGTERM or Ctrl-C.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use keel_core::config::Config;
+use keel_core::node::{self, Node, Options};
+use keel_core::server::Limits;
+use keel_core::store::{self, DbUrl};
+use tokio_util::sync::CancellationToken;
+
+#[derive(clap::Args)]
+pub struct Serve {
+    /// keel.toml; without one, the built-in scripted demo model is served.
+    #[arg(long, env = "KEEL_CONFIG")]
+    config: Option<PathBuf>,
+    /// sqlite://PATH (taken literally) or postgres://user@host:port/db.
+    #[arg(long, env = "KEEL_DB", default_value = "sqlite://keel.db")]
+    db: String,
+    /// Address to listen on; port 0 picks a free port.
+    #[arg(long, env = "KEEL_LISTEN", default_value = "127.0.0.1:4096")]
+    listen: SocketAddr,
+    /// Bearer token required on every route but health.
+    #[arg(long, env = "KEEL_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Request bodies over this many bytes are refused with 413.
+    #[arg(long, env = "KEEL_BODY_LIMIT", default_value_t = 16 * 1024 * 1024)]
+    body_limit: usize,
+    /// Lease of an execution claim, in milliseconds.
+    #[arg(long, env = "KEEL_LEASE_MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(i64).range(node::MIN_LEASE_MS..))]
+    lease_ms: i64,
+    /// Interval of the comment heartbeat on event streams, in milliseconds.
+    #[arg(long, env = "KEEL_HEARTBEAT_MS", default_value_t = 15_000,
+          value_parser = clap::value_parser!(u64).range(10..))]
+    heartbeat_ms: u64,
+    /// Pooled read connections to the database (besides the writer's one and, on
+    /// PostgreSQL, one for the other nodes' notifications).
+    #[arg(long, env = "KEEL_DB_READERS", default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    db_readers: u32,
+}
+
+pub async fn serve(args: Serve) -> Result<()> {
+    let config = Config::load(args.config.as_deref())?;
+    let db: DbUrl = args.db.parse()?;
+    let options = Options {
+        store: store::Options {
+            read_connections: args.db_readers,
+            ..store::Options::default()
+        },
+        listen: args.listen,
+        token: args.token,
+        limits: Limits {
+            body_bytes: args.body_limit,
+        },
+        lease_ms: args.lease_ms,
+        heartbeat: Duration::from_millis(args.heartbeat_ms),
+        ..Options::new(db.clone(), config)
+    };
+    let node = Node::start(options).await?;
+    // Tests, benchmarks and scripts read where the node listens from this first line.
+    println!(
+        "keel listening on http://{} (database {db}, owner {})",
+        node.address(),
+        node.owner()
+    );
+    let shutdown = CancellationToken::new();
+    let signalled = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        signalled.cancel();
+    });
+    node.run(shutdown).await?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+}

@@ -1,0 +1,264 @@
+//! A node: one Keel service process, its parts wired together.
+//!
+//! [`Node::start`] checks the [`Options`], opens the store, builds the runner and binds the
+//! listener; [`Node::run`] then runs everything a serving process needs until its
+//! shutdown signal: lease renewal, recovery (at once and every half lease), the node's
+//! registration and heartbeat, on PostgreSQL the cluster bus, and the HTTP server. After
+//! the signal it gives open requests a grace period, unregisters the node and hands its
+//! claims back, so a restarted or surviving node recovers them without waiting for their
+//! leases to run out.
+//!
+//! The `keel serve` command, the end-to-end tests (through that command) and the server
+//! benchmarks all run a node this way; nothing else wires these parts by hand.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_schema::id::OwnerId;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{Clock, SystemClock};
+use crate::cluster::{self, Bus};
+use crate::config::{self, Config};
+use crate::execution;
+use crate::runner::{RetryPolicy, Runner, Settings};
+use crate::server::{self, Limits, Shared};
+use crate::store::{self, DbUrl, Store};
+use crate::{recovery, tool};
+
+/// The shortest lease a node accepts: renewal runs every third of it.
+pub const MIN_LEASE_MS: i64 = 100;
+
+/// The shortest heartbeat interval of event streams a node accepts.
+pub const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
+
+/// Why a node could not start or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Listening beyond loopback without a token would hand the service to anyone who
+    /// can reach the address.
+    #[error(
+        "refusing to listen on {0} without a token: set a token, or listen on a loopback \
+         address"
+    )]
+    TokenRequired(SocketAddr),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Config(#[from] config::Error),
+    #[error(transparent)]
+    Store(#[from] store::Error),
+    #[error("binding {address}: {source}")]
+    Bind {
+        address: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Cluster(#[from] cluster::Error),
+    #[error("serving HTTP: {0}")]
+    Serve(#[source] std::io::Error),
+}
+
+/// How to build a node.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub db: DbUrl,
+    /// Connections, durability and the clock of the store.
+    pub store: store::Options,
+    /// Providers, models and agents (`keel.toml`).
+    pub config: Config,
+    /// Where the HTTP server listens; port 0 picks a free port ([`Node::address`]).
+    pub listen: SocketAddr,
+    /// The bearer token every route but health requires; required beyond loopback.
+    pub token: Option<String>,
+    pub limits: Limits,
+    /// The lease of an execution claim, in milliseconds.
+    pub lease_ms: i64,
+    /// The interval of the comment heartbeat on event streams.
+    pub heartbeat: Duration,
+    /// How long open requests (event streams never end by themselves) get after the
+    /// shutdown signal before the node stops serving.
+    pub grace: Duration,
+}
+
+impl Options {
+    /// The defaults of `keel serve` on `db` with `config`.
+    pub fn new(db: DbUrl, config: Config) -> Self {
+        Self {
+            db,
+            store: store::Options::default(),
+            config,
+            listen: SocketAddr::from(([127, 0, 0, 1], 4096)),
+            token: None,
+            limits: Limits::default(),
+            lease_ms: 30_000,
+            heartbeat: Duration::from_secs(15),
+            grace: Duration::from_secs(3),
+        }
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        if !self.listen.ip().is_loopback() && self.token.is_none() {
+            return Err(Error::TokenRequired(self.listen));
+        }
+        if self.lease_ms < MIN_LEASE_MS {
+            return Err(Error::Invalid(format!(
+                "the lease must be at least {MIN_LEASE_MS} ms (got {})",
+                self.lease_ms
+            )));
+        }
+        if self.heartbeat < MIN_HEARTBEAT {
+            return Err(Error::Invalid(format!(
+                "the stream heartbeat must be at least {} ms (got {})",
+                MIN_HEARTBEAT.as_millis(),
+                self.heartbeat.as_millis()
+            )));
+        }
+        if self.store.read_connections == 0 {
+            return Err(Error::Invalid(
+                "the store needs at least one read connection".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A started node: its store open, its runner built, its listener bound.
+pub struct Node {
+    options: Options,
+    store: Store,
+    runner: Runner,
+    listener: TcpListener,
+    address: SocketAddr,
+}
+
+impl Node {
+    /// Checks `options`, opens (and migrates) the store, builds the runner from the
+    /// configuration and binds the listener. Nothing runs until [`Node::run`].
+    pub async fn start(options: Options) -> Result<Self, Error> {
+        options.check()?;
+        let settings = Settings {
+            owner: OwnerId::new(),
+            lease_ms: options.lease_ms,
+            agents: options.config.agents()?,
+            providers: options.config.providers()?,
+            tools: tool::builtins(),
+            limits: tool::Limits::default(),
+            retry: RetryPolicy::default(),
+            models: options.config.models(),
+        };
+        let store = Store::open(options.db.clone(), options.store.clone()).await?;
+        let runner = Runner::new(store.clone(), settings);
+        let listener = TcpListener::bind(options.listen)
+            .await
+            .map_err(|source| Error::Bind {
+                address: options.listen,
+                source,
+            })?;
+        let address = listener.local_addr().map_err(|source| Error::Bind {
+            address: options.listen,
+            source,
+        })?;
+        Ok(Self {
+            options,
+            store,
+            runner,
+            listener,
+            address,
+        })
+    }
+
+    /// Where the node listens.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// This node's owner id, the name its claims carry.
+    pub fn owner(&self) -> OwnerId {
+        self.runner.owner()
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn runner(&self) -> &Runner {
+        &self.runner
+    }
+
+    /// Serves until `shutdown` is cancelled, then stops: a grace period for open requests,
+    /// the node unregistered, its claims handed back.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let Self {
+            options,
+            store,
+            runner,
+            listener,
+            address: _,
+        } = self;
+        let owner = runner.owner();
+        let lease_ms = options.lease_ms;
+        // The node's own parts stop with the signal, or when serving fails.
+        let stop = shutdown.child_token();
+        // On PostgreSQL the nodes share wakes and commits through LISTEN/NOTIFY. Started
+        // first: a bus that cannot start fails the node before anything else runs.
+        let bus = match &options.db {
+            DbUrl::Postgres(address) => {
+                let bus = Bus::start(address.clone(), runner.clone(), store.clone(), stop.clone())?;
+                runner.route_through(Arc::new(bus.clone()));
+                Some(bus)
+            }
+            DbUrl::Sqlite(_) => None,
+        };
+        let renewing = tokio::spawn({
+            let runner = runner.clone();
+            let stop = stop.clone();
+            async move { runner.renew_leases(stop).await }
+        });
+        // Executions abandoned by a dead process (or by this one, before a restart) are
+        // taken over now and every half lease.
+        let recovering = tokio::spawn(recovery::run(runner.clone(), lease_ms, stop.clone()));
+        let registered = tokio::spawn(cluster::keep_registered(
+            store.clone(),
+            cluster::NodeInfo::this_process(owner, SystemClock.now_ms()),
+            lease_ms,
+            stop.clone(),
+        ));
+        let state = Arc::new(Shared {
+            store: store.clone(),
+            runner,
+            config: options.config,
+            token: options.token,
+            heartbeat: options.heartbeat,
+            started_at: SystemClock.now_ms(),
+            lease_ms,
+            bus,
+        });
+        let app = server::router(state, &options.limits);
+        let stopped = stop.clone();
+        let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
+            stopped.cancelled().await;
+        });
+        let grace = options.grace;
+        let served = tokio::select! {
+            served = serving => served.map_err(Error::Serve),
+            // Open event streams never end by themselves; give requests a moment, then go.
+            () = async { stop.cancelled().await; tokio::time::sleep(grace).await } => Ok(()),
+        };
+        stop.cancel();
+        renewing.abort();
+        recovering.abort();
+        // The node leaves the list (bounded: a database that does not answer must not hold
+        // the shutdown).
+        drop(tokio::time::timeout(Duration::from_secs(2), registered).await);
+        // Hand the claims back at once, so a restarted keel recovers them without waiting.
+        let expired = store
+            .write(move |c| execution::expire_all(c, SystemClock.now_ms(), owner))
+            .await?;
+        tracing::info!(expired, "claims handed back");
+        served
+    }
+}
