@@ -30,7 +30,7 @@ use crate::store::schema::session_execution;
 use crate::store::{self, Conn};
 
 /// What can go wrong with a claim.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The claim is gone, belongs to another owner, or its lease expired: this process
     /// no longer runs the execution and must stop without writing.
@@ -39,19 +39,13 @@ pub enum Error {
         execution_id: ExecutionId,
         session_id: SessionId,
     },
-    #[error("{0}")]
-    Store(String),
-}
-
-impl From<store::Error> for Error {
-    fn from(e: store::Error) -> Self {
-        Self::Store(e.to_string())
-    }
+    #[error(transparent)]
+    Store(#[from] store::Error),
 }
 
 impl From<diesel::result::Error> for Error {
     fn from(e: diesel::result::Error) -> Self {
-        Self::Store(store::Error::from(e).to_string())
+        Self::Store(e.into())
     }
 }
 
@@ -378,9 +372,8 @@ pub fn release(
                 .filter(session_execution::owner_id.eq(claim.owner_id.to_string())),
         )
         .execute(c)?;
-        settled
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::Store("appending execution.settled wrote nothing".into()))
+        settled.into_iter().next().ok_or_else(|| {
+            store::Error::Corrupt("appending execution.settled wrote nothing".into()).into()
+        })
     })
 }

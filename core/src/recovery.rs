@@ -392,8 +392,12 @@ fn recover(
         source: InputSource::Recovery,
         request_execution: true,
     };
-    inbox::admit(connection, now, session, continuation)
-        .map_err(|e| store::Error::Corrupt(format!("admitting the continuation: {e}")))?;
+    inbox::admit(connection, now, session, continuation).map_err(|e| match e {
+        inbox::Error::Store(e) => e,
+        // The continuation's id derives from an execution settled in this transaction,
+        // so any other refusal means the session's rows are not what Keel writes.
+        other => store::Error::Corrupt(format!("admitting the continuation: {other}")),
+    })?;
     envelopes.extend(log::read(connection, session, before, u32::MAX)?);
     Ok(Recovered::Continued(session, envelopes))
 }

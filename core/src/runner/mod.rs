@@ -41,8 +41,10 @@ pub use compaction::{ModelLimits, needs_compaction};
 pub use retry::RetryPolicy;
 pub use step::StepSummary;
 
-/// Why a drain (or its busy period) did not finish normally.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why a drain (or its busy period) did not finish normally. `Clone`, because the
+/// coordinator hands one drain's outcome to every caller that joined it: causes are
+/// shared behind an `Arc`, never flattened into text.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// Another owner holds the session's claim.
     #[error("session {0} is being run by another owner")]
@@ -58,24 +60,47 @@ pub enum Error {
     #[error("{0}")]
     Config(String),
     #[error("store: {0}")]
-    Store(String),
+    Store(#[source] Arc<store::Error>),
+    /// The inbox refused a promotion (a store failure comes as [`Error::Store`]).
+    #[error("inbox: {0}")]
+    Inbox(#[source] Arc<inbox::Error>),
+    /// A tool's task panicked or was cancelled from outside the runner.
+    #[error("a tool task failed: {0}")]
+    ToolTask(#[source] Arc<tokio::task::JoinError>),
+}
+
+impl Error {
+    /// Whether the error broke a step off in a way this process must still settle (a
+    /// write that failed, a setting that does not resolve, a tool task that died), rather
+    /// than an interrupt, a lost claim (recovery's business) or a failure already written.
+    fn breaks_step(&self) -> bool {
+        match self {
+            Self::Store(_) | Self::Inbox(_) | Self::Config(_) | Self::ToolTask(_) => true,
+            Self::Busy(_) | Self::OwnershipLost(_) | Self::Interrupted | Self::StepFailed(_) => {
+                false
+            }
+        }
+    }
 }
 
 impl From<store::Error> for Error {
     fn from(e: store::Error) -> Self {
-        Self::Store(e.to_string())
+        Self::Store(Arc::new(e))
     }
 }
 
 impl From<diesel::result::Error> for Error {
     fn from(e: diesel::result::Error) -> Self {
-        Self::Store(store::Error::from(e).to_string())
+        Self::from(store::Error::from(e))
     }
 }
 
 impl From<inbox::Error> for Error {
     fn from(e: inbox::Error) -> Self {
-        Self::Store(e.to_string())
+        match e {
+            inbox::Error::Store(e) => Self::from(e),
+            other => Self::Inbox(Arc::new(other)),
+        }
     }
 }
 
@@ -83,7 +108,7 @@ impl From<execution::Error> for Error {
     fn from(e: execution::Error) -> Self {
         match e {
             execution::Error::OwnershipLost { session_id, .. } => Self::OwnershipLost(session_id),
-            execution::Error::Store(message) => Self::Store(message),
+            execution::Error::Store(e) => Self::from(e),
         }
     }
 }
@@ -510,9 +535,9 @@ impl Engine {
                     self.broadcast(std::slice::from_ref(&envelope));
                     return Ok(());
                 }
-                Err(Error::Store(message)) if attempt < 3 => {
+                Err(Error::Store(cause)) if attempt < 3 => {
                     attempt += 1;
-                    tracing::warn!(session = %claim.session_id, %message, attempt, "releasing the claim failed; retrying");
+                    tracing::warn!(session = %claim.session_id, error = %cause, attempt, "releasing the claim failed; retrying");
                 }
                 Err(e) => return Err(e),
             }
@@ -643,7 +668,7 @@ impl Engine {
     /// ends with exactly one terminal event and no call left running; a lost claim leaves
     /// it to recovery.
     async fn step_not_closed(&self, held: &Held, assistant: MessageId, error: &Error) {
-        if matches!(error, Error::Store(_) | Error::Config(_)) {
+        if error.breaks_step() {
             self.fail_step(held, assistant, error).await;
         }
     }

@@ -203,7 +203,7 @@ impl Engine {
                         tool_cancel.cancel();
                     }
                     Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
-                        let (call_id, done) = joined.map_err(|e| Error::Store(format!("a tool task failed: {e}")))?;
+                        let (call_id, done) = joined.map_err(|e| Error::ToolTask(Arc::new(e)))?;
                         match done {
                             // The step's last word: the result commits with the step's end.
                             Done::Ran(result) if !stream_open && tasks.is_empty() && !interrupted => {
@@ -381,7 +381,7 @@ impl Engine {
         }
         .await;
         match result {
-            Err(error @ (Error::Store(_) | Error::Config(_))) => {
+            Err(error) if error.breaks_step() => {
                 // Any write of the step may have failed; settle it so it ends with exactly
                 // one terminal event and no call left running.
                 tool_cancel.cancel();

@@ -364,7 +364,9 @@ impl Engine {
                 DurableEvent::PermissionRequested(p) if p.call_id == call_id => Some(p.request_id),
                 _ => None,
             })
-            .ok_or_else(|| Error::Store(format!("no permission request for {call_id}")))
+            .ok_or_else(|| {
+                crate::store::Error::Corrupt(format!("no permission request for {call_id}")).into()
+            })
     }
 
     /// Whether an earlier `always` reply allows `tool` for the rest of the session.

@@ -60,7 +60,9 @@ pub enum Error {
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),
     #[error("the read pool has no connection to give: {0}")]
-    Pool(String),
+    Pool(#[source] diesel::r2d2::PoolError),
+    #[error("a read's task failed: {0}")]
+    ReadTask(#[source] tokio::task::JoinError),
     #[error("the write was not committed: {0}")]
     CommitFailed(String),
     #[error("the store's writer stopped before the write was made")]
@@ -252,10 +254,10 @@ impl Store {
     {
         let pool = self.inner.readers.clone();
         tokio::task::spawn_blocking(move || {
-            let mut connection = pool.get().map_err(|e| Error::Pool(e.to_string()))?;
+            let mut connection = pool.get().map_err(Error::Pool)?;
             read(&mut connection)
         })
         .await
-        .map_err(|e| E::from(Error::Pool(format!("the read task failed: {e}"))))?
+        .map_err(|e| E::from(Error::ReadTask(e)))?
     }
 }

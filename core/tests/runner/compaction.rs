@@ -288,7 +288,7 @@ async fn interrupting_the_summary_stops_it_and_the_step() {
         }
     }
     assert!(h.runner.interrupt(session).await);
-    assert_eq!(
+    assert_outcome!(
         run.await.unwrap(),
         Err(RunError::Failed(Error::Interrupted))
     );

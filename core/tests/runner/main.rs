@@ -2,6 +2,15 @@
 //! scripted provider or a provider the test drives through a channel, and test tools that
 //! report to the test. Nothing sleeps: tests wait on channels and on `Runner::run`.
 
+/// Asserts that a run's outcome matches a pattern: runner errors carry their causes, so
+/// they are matched, not compared.
+macro_rules! assert_outcome {
+    ($outcome:expr, $($pattern:tt)+) => {{
+        let outcome = $outcome;
+        assert!(matches!(outcome, $($pattern)+), "unexpected outcome: {outcome:?}");
+    }};
+}
+
 mod support;
 
 mod anthropic;

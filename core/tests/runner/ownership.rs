@@ -35,10 +35,7 @@ async fn no_provider_request_is_dispatched_after_ownership_changes() {
     lose_ownership(&h, session).await;
     let before = h.kinds(session).await;
     h.release.notify_one();
-    assert_eq!(
-        run.await.unwrap(),
-        Err(RunError::Failed(Error::OwnershipLost(session)))
-    );
+    assert_outcome!(run.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
     assert_eq!(h.recording.requests.lock().unwrap().len(), 1);
     // The finished tool's result was not published, nor anything after it.
     assert_eq!(h.kinds(session).await, before);
@@ -72,10 +69,7 @@ async fn output_of_a_stream_that_began_before_ownership_changed_is_not_published
             usage: Usage::default(),
         }))
         .unwrap();
-    assert_eq!(
-        run.await.unwrap(),
-        Err(RunError::Failed(Error::OwnershipLost(session)))
-    );
+    assert_outcome!(run.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
     assert_eq!(h.kinds(session).await, before);
     while let Ok(item) = live.try_recv() {
         if let Live::Ephemeral(e) = item {
@@ -111,10 +105,7 @@ async fn no_local_tool_starts_after_ownership_changes() {
         }))
         .unwrap();
     drop(stream);
-    assert_eq!(
-        run.await.unwrap(),
-        Err(RunError::Failed(Error::OwnershipLost(session)))
-    );
+    assert_outcome!(run.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
     assert_eq!(h.probe.runs.load(Ordering::SeqCst), 0);
     assert!(!h.kinds(session).await.contains(&"tool.called".to_owned()));
 }
@@ -131,10 +122,7 @@ async fn interrupted_tool_reconciliation_publishes_nothing_after_ownership_chang
     lose_ownership(&h, session).await;
     let before = h.kinds(session).await;
     assert!(h.runner.interrupt(session).await);
-    assert_eq!(
-        run.await.unwrap(),
-        Err(RunError::Failed(Error::OwnershipLost(session)))
-    );
+    assert_outcome!(run.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
     assert_eq!(h.kinds(session).await, before);
 }
 

@@ -175,7 +175,7 @@ async fn an_interrupt_during_the_wait_stops_further_attempts() {
         }
     }
     assert!(h.runner.interrupt(session).await);
-    assert_eq!(
+    assert_outcome!(
         run.await.unwrap(),
         Err(RunError::Failed(Error::Interrupted))
     );
