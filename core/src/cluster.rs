@@ -7,9 +7,9 @@
 //!
 //! On PostgreSQL the nodes also talk through LISTEN/NOTIFY ([`Bus`]), on one dedicated
 //! connection per node:
-//! - `keel_log`: each node announces the durable events it committed (`node session
-//!   first last`); the others read those events from the log and publish them to their
-//!   own streams, so a client may follow any session through any node. A notification
+//! - `keel_log`: each node forwards the ranges of durable events it committed (`node
+//!   session first last`); the others read those events from the log and publish them to
+//!   their own streams, so a client may follow any session through any node. A notification
 //!   lost to a broken connection costs latency, not events: log streams re-read the log
 //!   periodically.
 //! - `keel_route`: a wake, an interrupt or a reply to a permission request or question,
@@ -33,7 +33,7 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use crate::coordinator::Scope;
-use crate::runner::{Live, Reply, Runner};
+use crate::runner::{Forwarder, Live, Reply, Runner};
 use crate::store::schema::{event, node, session_execution};
 use crate::store::{self, Conn, Store};
 
@@ -229,7 +229,7 @@ pub struct Bus {
 }
 
 impl Bus {
-    /// Starts the bus thread on its own connection to `url`, and the task that announces
+    /// Starts the bus thread on its own connection to `url`, and the task that forwards
     /// this node's commits. Runs until `shutdown`.
     pub fn start(
         url: String,
@@ -251,13 +251,13 @@ impl Bus {
             .name("keel-bus".into())
             .spawn(move || receiver.run(&url, &queue, &stop))
             .map_err(Error::Spawn)?;
-        tokio::spawn(announce(bus.clone(), runner, shutdown));
+        tokio::spawn(forward_commits(bus.clone(), runner, shutdown));
         Ok(bus)
     }
 
-    /// Sends `route` to the node it names. Fails when it does not fit in a notification
+    /// Forwards `route` to the node it names. Fails when it does not fit in a notification
     /// (a very long answer to a question, say).
-    pub fn route(&self, route: &Route) -> Result<(), String> {
+    pub fn forward(&self, route: &Route) -> Result<(), String> {
         let payload = serde_json::to_string(route).map_err(|e| e.to_string())?;
         if payload.len() > MAX_PAYLOAD {
             return Err(format!(
@@ -265,31 +265,32 @@ impl Bus {
                 payload.len()
             ));
         }
-        self.send(ROUTE_CHANNEL, payload);
+        self.notify(ROUTE_CHANNEL, payload);
         Ok(())
     }
 
-    fn send(&self, channel: &'static str, payload: String) {
+    /// Hands a notification to the bus thread.
+    fn notify(&self, channel: &'static str, payload: String) {
         // The thread is gone only at shutdown.
         drop(self.outgoing.send(Outgoing { channel, payload }));
     }
 }
 
-impl crate::runner::Router for Bus {
-    fn wake_elsewhere(&self, owner: OwnerId, session: SessionId) {
+impl Forwarder for Bus {
+    fn forward_wake(&self, owner: OwnerId, session: SessionId) {
         let wake = Route {
             to: owner,
             session,
             kind: RouteKind::Wake,
         };
-        if let Err(e) = self.route(&wake) {
+        if let Err(e) = self.forward(&wake) {
             tracing::error!(error = %e, "a wake could not be routed");
         }
     }
 }
 
-/// Announces this node's commits on `keel_log`, one range per session and burst.
-async fn announce(bus: Bus, runner: Runner, shutdown: CancellationToken) {
+/// Forwards this node's commits on `keel_log`, one range per session and burst.
+async fn forward_commits(bus: Bus, runner: Runner, shutdown: CancellationToken) {
     let owner = runner.owner();
     let mut live = runner.subscribe();
     loop {
@@ -311,7 +312,7 @@ async fn announce(bus: Bus, runner: Runner, shutdown: CancellationToken) {
             Err(broadcast::error::RecvError::Lagged(missed)) => {
                 // The other nodes' streams re-read the log periodically; they are late,
                 // not wrong.
-                tracing::warn!(missed, "commits were not announced to the other nodes");
+                tracing::warn!(missed, "commits were not forwarded to the other nodes");
                 true
             }
             Err(broadcast::error::RecvError::Closed) => false,
@@ -323,7 +324,7 @@ async fn announce(bus: Bus, runner: Runner, shutdown: CancellationToken) {
             note(Ok(item));
         }
         for (session, (first, last)) in ranges {
-            bus.send(LOG_CHANNEL, format!("{owner} {session} {first} {last}"));
+            bus.notify(LOG_CHANNEL, format!("{owner} {session} {first} {last}"));
         }
     }
 }
@@ -417,7 +418,7 @@ impl Receiver {
                 .read_log(session, first.saturating_sub(1), count)
                 .await
             {
-                Ok(envelopes) => runner.relay(&envelopes),
+                Ok(envelopes) => runner.publish_remote(&envelopes),
                 Err(e) => {
                     tracing::warn!(%session, error = %e, "reading another node's commits failed")
                 }

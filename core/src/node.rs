@@ -208,7 +208,7 @@ impl Node {
         let bus = match &options.db {
             DbUrl::Postgres(address) => {
                 let bus = Bus::start(address.clone(), runner.clone(), store.clone(), stop.clone())?;
-                runner.route_through(Arc::new(bus.clone()));
+                runner.forward_through(Arc::new(bus.clone()));
                 Some(bus)
             }
             DbUrl::Sqlite(_) => None,

@@ -149,8 +149,8 @@ impl Recovery {
     /// One pass: settle the abandoned executions of one batch and wake their sessions,
     /// then redrive one batch of lost wakes.
     pub async fn pass(&mut self, runner: &Runner) -> Result<Report, store::Error> {
-        let store = runner.engine().store().clone();
-        let mut report = settle_abandoned(&store, |envelopes| runner.announce(envelopes)).await?;
+        let store = runner.store().clone();
+        let mut report = settle_abandoned(&store, |envelopes| runner.publish(envelopes)).await?;
         for &session in &report.recovered {
             runner.wake(session, Scope::Input);
         }
@@ -168,10 +168,10 @@ impl Recovery {
 }
 
 /// The database half of a pass: validates one batch of expired claims, quarantines the
-/// invalid ones and settles the rest, handing what it wrote to `announce`. Wakes nothing.
+/// invalid ones and settles the rest, handing what it wrote to `publish`. Wakes nothing.
 pub async fn settle_abandoned(
     store: &Store,
-    announce: impl Fn(&[Envelope]),
+    publish: impl Fn(&[Envelope]),
 ) -> Result<Report, store::Error> {
     let mut report = Report::default();
     let now = store.clock().now_ms();
@@ -190,12 +190,12 @@ pub async fn settle_abandoned(
         let id = candidate.id.clone();
         match recovered {
             Ok(Recovered::Continued(session, envelopes)) => {
-                announce(&envelopes);
+                publish(&envelopes);
                 tracing::warn!(%session, claim = %id, "recovered an abandoned execution");
                 report.recovered.push(session);
             }
             Ok(Recovered::Exhausted(session, envelopes)) => {
-                announce(&envelopes);
+                publish(&envelopes);
                 tracing::error!(%session, claim = %id, "recovery attempts exhausted; the execution failed");
                 report.exhausted.push(session);
             }

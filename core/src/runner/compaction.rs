@@ -25,7 +25,8 @@ use keel_schema::id::{InputId, MessageId};
 use keel_schema::types::{CompactionReason, ErrorInfo, Part, Phase, SyntheticReason, Usage};
 use tokio_util::sync::CancellationToken;
 
-use super::{Engine, Error, Held, context};
+use super::fence::Held;
+use super::{Engine, Error, context};
 use crate::execution;
 use crate::provider::{self, Event, ToolChoice, Turn};
 
@@ -111,7 +112,7 @@ impl Engine {
                 Ok(envelopes)
             })
             .await?;
-        self.broadcast(&started);
+        self.publish(&started);
         let boundary_seq = match open_step {
             Some((_, seq)) => seq,
             None => started.first().map_or(0, |e| e.seq),
@@ -246,7 +247,7 @@ impl Engine {
                 Ok(envelopes)
             })
             .await?;
-        self.broadcast(&envelopes);
+        self.publish(&envelopes);
         Ok(())
     }
 

@@ -12,11 +12,19 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use keel_schema::event::Envelope;
+use keel_schema::event::{Envelope, EphemeralEnvelope};
 use keel_schema::id::SessionId;
 use tokio::sync::broadcast;
 
-use super::Live;
+/// Something published live, after its commit for durable events.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Live {
+    /// Committed by this process.
+    Durable(Envelope),
+    Ephemeral(EphemeralEnvelope),
+    /// Committed by another node and read back from the log ([`crate::cluster`]).
+    Remote(Envelope),
+}
 
 /// Events all subscribers may have waiting before the slowest is told it lagged.
 const CAPACITY: usize = 4096;
@@ -75,7 +83,8 @@ impl Hub {
             .subscribe()
     }
 
-    pub fn send(&self, live: Live) {
+    /// Hands `live` to every subscriber and to the followers of its session.
+    pub fn publish(&self, live: Live) {
         let (session, seq) = match &live {
             Live::Durable(envelope) | Live::Remote(envelope) => {
                 (envelope.session_id, Some(envelope.seq))
@@ -161,9 +170,9 @@ mod tests {
         let mut all = hub.subscribe();
         let mut first = hub.follow(mine);
         let mut second = hub.follow(mine);
-        hub.send(durable(other, 1));
-        hub.send(durable(mine, 7));
-        hub.send(delta(mine));
+        hub.publish(durable(other, 1));
+        hub.publish(durable(mine, 7));
+        hub.publish(delta(mine));
 
         for follower in [&mut first, &mut second] {
             let event = follower.try_recv().unwrap();
@@ -179,7 +188,7 @@ mod tests {
             assert!(follower.try_recv().is_err(), "nothing of the other session");
         }
         // Both followers got the very same serialization.
-        hub.send(durable(mine, 8));
+        hub.publish(durable(mine, 8));
         let (a, b) = (first.try_recv().unwrap(), second.try_recv().unwrap());
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(std::iter::from_fn(|| all.try_recv().ok()).count(), 4);
@@ -190,7 +199,7 @@ mod tests {
         let hub = Hub::default();
         let session = SessionId::new();
         drop(hub.follow(session));
-        hub.send(durable(session, 1));
+        hub.publish(durable(session, 1));
         assert!(lock(&hub.sessions).channels.is_empty());
     }
 }

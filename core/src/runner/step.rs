@@ -1,21 +1,32 @@
-//! One step: a provider request, its streamed response, and the local tools it called.
+//! One step as a state machine: a provider request, its streamed response, and the local
+//! calls it made.
 //!
-//! The publisher turns provider events into durable and ephemeral events under these
-//! rules: at most one open text and one open reasoning fragment; ordinals count per kind;
-//! deltas are ephemeral; a duplicate start, call, result or finish is a protocol error
-//! that fails the step. Whatever the stream has ready goes out together: its durable
-//! events in one fenced write, then everything live in order ([`Outbox`]). Local tools
-//! start only after their `tool.called` commits, run concurrently, and are all joined
-//! before the step settles; the result of the last one is held for the step's end. A
-//! hosted call left unresolved at the end of the stream fails. Each step ends in exactly
-//! one of `step.ended`, `step.failed` or `step.interrupted`; a step that ended leaves
-//! those closing events to the drain ([`Ended`]).
+//! A [`Step`] is started by [`Step::start`] (the request built, an automatic compaction
+//! when the model's limits call for one, `step.started` written unless the boundary did
+//! it) and driven by [`Step::run`]: a loop around one `select!` whose arms each call one
+//! method: [`Step::on_stream_batch`] for what the provider has ready,
+//! [`Step::on_tool_done`] for a call that finished or got its reply, [`Step::on_cancel`]
+//! for an interrupt. The provider's side is one [`Response`] state; the two detours a
+//! response can take before any output, [`Step::on_overflow`] (compact once, send again)
+//! and [`Step::on_retry`] (wait, send again), are states too, so the step can never be,
+//! say, retrying and interrupted at once. Once the response is [`Over`] and every call
+//! joined, [`Step::end`] writes or hands back the step's end.
 //!
-//! Before any output a retryable provider failure is sent again after a backoff
-//! ([`super::retry`]), and a context overflow compacts the history once and sends the
-//! request again ([`super::compaction`]); after output, a failure is the step's error.
+//! Rules kept here: whatever the stream has ready goes out together, its durable events in
+//! one fenced write, then everything live in order ([`Burst`]); local calls start only
+//! after their `tool.called` commits, run concurrently, and are all joined before the step
+//! ends, the result of the last one held for the step's end; a hosted call left unresolved
+//! at the end of the stream fails ([`super::translate`]). Each step ends in exactly one of
+//! `step.ended`, `step.failed` or `step.interrupted`; a step that ended leaves those
+//! closing events to the drain ([`Ended`]). Before any output a retryable failure is sent
+//! again after a backoff ([`super::retry`]) and a context overflow compacts the history
+//! once and sends the request again ([`super::compaction`]); after output, a failure is
+//! the step's error.
+//!
+//! (The type is not called `Turn`: [`crate::provider::Turn`] is one message of a request.)
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,18 +35,19 @@ use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, EphemeralEvent, payload};
 use keel_schema::id::{CallId, MessageId};
 use keel_schema::types::{
-    CompactionReason, Effect, ErrorInfo, Finish, InterruptReason, ModelRef, Phase, Usage,
+    CompactionReason, Effect, ErrorInfo, Finish, InterruptReason, Phase, Usage,
 };
-use tokio::task::JoinSet;
+use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
-use super::publisher::{Publisher, coalesce};
+use super::fence::Held;
 use super::tools::{Done, QUESTION, result_event};
-use super::{Engine, Error, Held, context};
+use super::translate::{Translator, coalesce};
+use super::{Agent, Engine, Error, context};
 use crate::event::projector;
 use crate::execution;
-use crate::provider::{self, Provider, ToolChoice};
+use crate::provider::{self, Event, EventStream, Provider, ToolChoice};
 
 /// How a step ended, as far as the drain needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +104,94 @@ pub struct Ended {
     pub closing: Vec<DurableEvent>,
 }
 
+/// Where the provider's response stands.
+enum Response {
+    /// Being read. `said`: the provider has said something, so a failure can no longer be
+    /// retried transparently.
+    Streaming { stream: EventStream, said: bool },
+    /// Refused as longer than the model's context, before any output.
+    Overflowed(provider::Error),
+    /// Failed before any output with an error the policy retries after `wait`.
+    Retrying {
+        error: provider::Error,
+        wait: Duration,
+    },
+    /// Nothing more will come from the provider.
+    Over(Over),
+}
+
+/// How a response that is over ended.
+enum Over {
+    /// Read to its end.
+    Ended,
+    /// Broke off; the error is the step's, unless a refused reply stopped it first.
+    Failed(provider::Error),
+    /// An interrupt came: the stream was dropped and the running calls told to stop.
+    Interrupted,
+}
+
+impl Response {
+    fn streaming(stream: EventStream) -> Self {
+        Self::Streaming {
+            stream,
+            said: false,
+        }
+    }
+
+    fn is_streaming(&self) -> bool {
+        matches!(self, Self::Streaming { .. })
+    }
+
+    fn is_interrupted(&self) -> bool {
+        matches!(self, Self::Over(Over::Interrupted))
+    }
+
+    /// Read to its end or failed: the provider is done and no interrupt came.
+    fn is_finished(&self) -> bool {
+        matches!(self, Self::Over(Over::Ended | Over::Failed(_)))
+    }
+}
+
+/// The next event of a streaming response. `select!` builds every arm's future, enabled
+/// or not, so in any other state this waits forever instead.
+async fn next_event(response: &mut Response) -> Option<Result<Event, provider::Error>> {
+    match response {
+        Response::Streaming { stream, .. } => stream.next().await,
+        _ => std::future::pending().await,
+    }
+}
+
+/// One step of a held session, under way.
+pub(super) struct Step<'a> {
+    pub(super) engine: &'a Engine,
+    pub(super) held: &'a Held,
+    pub(super) agent: Agent,
+    provider: Arc<dyn Provider>,
+    request: provider::Request,
+    assistant: MessageId,
+    assistant_seq: u64,
+    /// The session directory, or why it is not usable (its calls then fail with that).
+    pub(super) directory: Result<PathBuf, String>,
+    translator: Translator,
+    response: Response,
+    /// Local calls running or waiting for a reply.
+    pub(super) calls: JoinSet<(CallId, Done)>,
+    /// Retries of the request so far.
+    retries: u32,
+    /// Whether the step compacted already: at most once per logical step.
+    compacted: bool,
+    /// Whether any local call was made (a continuation follows their results).
+    called_tools: bool,
+    /// A refused permission or a dismissed question stops the continuation.
+    stopped: Option<InterruptReason>,
+    burst: Burst,
+    /// The results of the calls that finished last, held for the step's closing write.
+    last_results: Vec<DurableEvent>,
+    cancel: &'a CancellationToken,
+    /// Tells the step's calls to stop: on an interrupt, and when the step breaks off.
+    pub(super) calls_cancel: CancellationToken,
+}
+
 impl Engine {
     /// Runs one step of `held`'s session. `messages` is the transcript to send and `info`
     /// the session's settings, both read at the boundary before it; `started` its
@@ -101,291 +201,19 @@ impl Engine {
     pub(super) async fn step(
         &self,
         held: &Held,
-        step_number: u32,
+        number: u32,
         messages: &[Message],
         info: projector::SessionInfo,
         started: Option<(MessageId, u64)>,
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
-        let session = held.claim.session_id;
-        let agent = self.agent(&info.agent)?;
-        let provider = self.provider(&info.model)?;
-        let last_step = step_number >= agent.max_steps;
-        let mut known: HashMap<String, Effect> = self
-            .settings
-            .tools
-            .iter()
-            .map(|t| (t.name().to_owned(), t.effect()))
-            .collect();
-        known.insert(QUESTION.into(), Effect::Read);
-        let limits = self.limits(&info.model);
-        let mut request = provider::Request {
-            model: info.model.clone(),
-            system: agent.system.clone(),
-            turns: context::turns(messages),
-            tools: self.specs.clone(),
-            tool_choice: if last_step {
-                ToolChoice::None
-            } else {
-                ToolChoice::Auto
-            },
-            max_output_tokens: limits.map(|l| u32::try_from(l.output).unwrap_or(u32::MAX)),
-        };
-        // One compaction per logical step: automatic here, or forced by an overflow below.
-        let mut compacted = false;
-        if let Some(limits) = limits
-            && needs_compaction(estimate_tokens(&request), limits)
-        {
-            compacted = true;
-            match self
-                .compact(held, CompactionReason::Auto, None, None, cancel)
-                .await?
-            {
-                Compacted::Done => request.turns = context::turns(&self.messages(session).await?),
-                Compacted::Interrupted => return Err(Error::Interrupted),
-                // The step goes ahead; if the provider refuses it as too long, it fails.
-                Compacted::Failed(_) => {}
-            }
-        }
-
-        // The fenced `step.started` is the ownership check before the provider request;
-        // the boundary has written it already when nothing had to come first.
-        let (assistant, assistant_seq) = match started {
-            Some(started) => started,
-            None => {
-                let claim = held.claim;
-                let info = info.clone();
-                let (started, envelopes) = self
-                    .fenced(held, move |c, now| {
-                        start_step(c, now, &claim, &info, step_number)
-                    })
-                    .await?;
-                self.broadcast(&envelopes);
-                started
-            }
-        };
-        if cancel.is_cancelled() {
-            return Err(Error::Interrupted);
-        }
-        if !self.owns(held) {
-            return Err(Error::OwnershipLost(session));
-        }
-
-        let tool_cancel = cancel.child_token();
-        let result: Result<Ended, Error> = async {
-            let directory = std::fs::canonicalize(&info.directory).map_err(|e| {
-                format!("the session directory {} is not usable: {e}", info.directory)
-            });
-            let mut publisher = Publisher::new(assistant, known, last_step);
-            let mut tasks: JoinSet<(CallId, Done)> = JoinSet::new();
-            let mut stream = provider.stream(&request);
-            let mut stream_open = true;
-            // Whether the provider said anything yet: after that, no transparent retry.
-            let mut output_started = false;
-            let mut retries = 0u32;
-            let mut interrupted = false;
-            let mut failure: Option<provider::Error> = None;
-            let mut stop: Option<InterruptReason> = None;
-            let mut called_tools = false;
-            let mut outbox = Outbox::default();
-            // Results of the calls that finished last, held for the step's closing write.
-            let mut last_results: Vec<DurableEvent> = Vec::new();
-
-            loop {
-                if !stream_open && tasks.is_empty() {
-                    break;
-                }
-                tokio::select! {
-                    biased;
-                    () = cancel.cancelled(), if !interrupted => {
-                        interrupted = true;
-                        stream_open = false;
-                        tool_cancel.cancel();
-                    }
-                    Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
-                        let (call_id, done) = joined.map_err(|e| Error::ToolTask(Arc::new(e)))?;
-                        match done {
-                            // The step's last word: the result commits with the step's end.
-                            Done::Ran(result) if !stream_open && tasks.is_empty() && !interrupted => {
-                                last_results.push(result_event(call_id, result));
-                            }
-                            done => {
-                                if let Some(reason) = self
-                                    .settle_call(held, directory.as_ref().ok(), call_id, done, &tool_cancel, &mut tasks, interrupted)
-                                    .await?
-                                {
-                                    stop.get_or_insert(reason);
-                                }
-                            }
-                        }
-                    }
-                    item = stream.next(), if stream_open => {
-                        let mut item = item;
-                        let mut retry: Option<(provider::Error, Duration)> = None;
-                        let mut overflow: Option<provider::Error> = None;
-                        // Take everything the stream has ready, so deltas go out batched.
-                        loop {
-                            match item {
-                                None if !output_started => {
-                                    // Ended before saying anything: cut short, retried like one.
-                                    let e = provider::Error::Incomplete(
-                                        "the stream ended before any output".into(),
-                                    );
-                                    match self.retry_or_fail(e, retries, output_started) {
-                                        Ok(next) => retry = Some(next),
-                                        Err(e) => failure = Some(e),
-                                    }
-                                    stream_open = false;
-                                    break;
-                                }
-                                None => {
-                                    stream_open = false;
-                                    break;
-                                }
-                                Some(Err(e @ provider::Error::ContextOverflow(_)))
-                                    if !output_started && !compacted =>
-                                {
-                                    overflow = Some(e);
-                                    stream_open = false;
-                                    break;
-                                }
-                                Some(Err(e)) => {
-                                    match self.retry_or_fail(e, retries, output_started) {
-                                        Ok(next) => retry = Some(next),
-                                        Err(e) => failure = Some(e),
-                                    }
-                                    stream_open = false;
-                                    break;
-                                }
-                                Some(Ok(event)) => match publisher.accept(event) {
-                                    Err(e) => {
-                                        failure = Some(e);
-                                        stream_open = false;
-                                        break;
-                                    }
-                                    Ok(actions) => {
-                                        output_started = true;
-                                        outbox.extend(actions.durable, actions.ephemeral);
-                                        if !actions.launch.is_empty() {
-                                            // A local call starts only once its `tool.called` committed.
-                                            self.send(held, &mut outbox).await?;
-                                        }
-                                        for launch in actions.launch {
-                                            called_tools = true;
-                                            self.launch(held, &agent, directory.as_ref(), launch, &tool_cancel, &mut tasks).await?;
-                                        }
-                                    }
-                                },
-                            }
-                            match stream.next().now_or_never() {
-                                Some(next) => item = next,
-                                None => break,
-                            }
-                        }
-                        self.send(held, &mut outbox).await?;
-                        if let Some(error) = overflow {
-                            // Before any output: compact once, then send the step again.
-                            compacted = true;
-                            match self
-                                .compact(held, CompactionReason::Overflow, None, Some((assistant, assistant_seq)), cancel)
-                                .await?
-                            {
-                                Compacted::Done => {
-                                    request.turns = context::turns(&self.messages(session).await?);
-                                    stream = provider.stream(&request);
-                                    stream_open = true;
-                                }
-                                Compacted::Interrupted => {
-                                    interrupted = true;
-                                    tool_cancel.cancel();
-                                }
-                                // A failed summary leaves the original overflow as the step's error.
-                                Compacted::Failed(_) => failure = Some(error),
-                            }
-                        }
-                        if let Some((error, wait)) = retry {
-                            retries += 1;
-                            if self.backoff(held, assistant, retries, &error, wait, cancel).await? {
-                                stream = provider.stream(&request);
-                                stream_open = true;
-                            } else {
-                                interrupted = true;
-                                tool_cancel.cancel();
-                            }
-                        }
-                    }
-                }
-            }
-            self.send(held, &mut outbox).await?;
-
-            if interrupted {
-                last_results.push(DurableEvent::StepInterrupted(payload::StepInterrupted {
-                    assistant_message_id: assistant,
-                    reason: InterruptReason::User,
-                }));
-                self.publish(held, last_results).await?;
-                return Err(Error::Interrupted);
-            }
-            let mut closing = last_results;
-            closing.extend(publisher.close());
-            if failure.is_none() && publisher.finish.is_none() {
-                failure = Some(provider::Error::Incomplete(
-                    "the stream ended without a finish".into(),
-                ));
-            }
-            let (summary, end) = match (failure, stop) {
-                (_, Some(reason)) => (
-                    StepSummary {
-                        finish: publisher.finish.map(|(f, _)| f),
-                        called_tools,
-                        stopped: true,
-                    },
-                    DurableEvent::StepInterrupted(payload::StepInterrupted {
-                        assistant_message_id: assistant,
-                        reason,
-                    }),
-                ),
-                (Some(error), None) => {
-                    let info = error.info();
-                    closing.push(DurableEvent::StepFailed(payload::StepFailed {
-                        assistant_message_id: assistant,
-                        error: info.clone(),
-                        usage: publisher.finish.map(|(_, u)| u),
-                    }));
-                    self.publish(held, closing).await?;
-                    return Err(Error::StepFailed(info));
-                }
-                (None, None) => {
-                    let (finish, usage) = publisher.finish.unwrap_or((Finish::Other, Usage::default()));
-                    (
-                        StepSummary {
-                            finish: Some(finish),
-                            called_tools,
-                            stopped: false,
-                        },
-                        DurableEvent::StepEnded(payload::StepEnded {
-                            assistant_message_id: assistant,
-                            finish,
-                            usage,
-                            cost: 0.0,
-                        }),
-                    )
-                }
-            };
-            closing.push(end);
-            Ok(Ended {
-                summary,
-                assistant,
-                closing,
-            })
-        }
-        .await;
-        match result {
+        let mut step = Step::start(self, held, number, messages, info, started, cancel).await?;
+        match step.run().await {
             Err(error) if error.breaks_step() => {
                 // Any write of the step may have failed; settle it so it ends with exactly
                 // one terminal event and no call left running.
-                tool_cancel.cancel();
-                self.fail_step(held, assistant, &error).await;
+                step.calls_cancel.cancel();
+                self.fail_step(held, step.assistant, &error).await;
                 Err(error)
             }
             other => other,
@@ -393,7 +221,10 @@ impl Engine {
     }
 
     /// The adapter that serves `model`.
-    pub(super) fn provider(&self, model: &ModelRef) -> Result<Arc<dyn Provider>, Error> {
+    pub(super) fn provider(
+        &self,
+        model: &keel_schema::types::ModelRef,
+    ) -> Result<Arc<dyn Provider>, Error> {
         self.settings
             .providers
             .get(&model.provider)
@@ -404,63 +235,6 @@ impl Engine {
                     model.provider
                 ))
             })
-    }
-
-    /// A provider failure and the wait before sending the request again, or the failure
-    /// as final: after output began, or when the policy gives up.
-    fn retry_or_fail(
-        &self,
-        error: provider::Error,
-        retries: u32,
-        output_started: bool,
-    ) -> Result<(provider::Error, Duration), provider::Error> {
-        if output_started {
-            return Err(error);
-        }
-        match self.settings.retry.delay(retries + 1, &error) {
-            Some(wait) => Ok((error, wait)),
-            None => Err(error),
-        }
-    }
-
-    /// Publishes `retry.scheduled` for retry number `retry` after `error` and waits
-    /// `wait`; false when an interrupt came first (no further attempt is made).
-    async fn backoff(
-        &self,
-        held: &Held,
-        assistant: MessageId,
-        retry: u32,
-        error: &provider::Error,
-        wait: Duration,
-        cancel: &CancellationToken,
-    ) -> Result<bool, Error> {
-        let session = held.claim.session_id;
-        let at = self
-            .store
-            .clock()
-            .now_ms()
-            .saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
-        tracing::warn!(%session, retry, wait_ms = wait.as_millis(), error = %error, "provider request failed; retrying");
-        self.publish(
-            held,
-            vec![DurableEvent::RetryScheduled(payload::RetryScheduled {
-                assistant_message_id: assistant,
-                attempt: retry,
-                at,
-                error: error.info(),
-            })],
-        )
-        .await?;
-        tokio::select! {
-            () = cancel.cancelled() => Ok(false),
-            () = tokio::time::sleep(wait) => {
-                if self.owns(held) {
-                    Ok(true)
-                } else {
-                    Err(Error::OwnershipLost(session))
-                }
-            }
-        }
     }
 
     /// Fails a step that broke off: every unresolved call, then `step.failed`, in one
@@ -495,7 +269,7 @@ impl Engine {
                 .await;
             match written {
                 Ok(envelopes) => {
-                    self.broadcast(&envelopes);
+                    self.publish(&envelopes);
                     return;
                 }
                 Err(Error::OwnershipLost(_)) => return,
@@ -505,11 +279,385 @@ impl Engine {
             }
         }
     }
+}
 
-    /// Commits the outbox's durable events in one fenced write, then publishes everything
+impl<'a> Step<'a> {
+    /// Builds the request, compacts first when the model's limits call for it, and writes
+    /// `step.started` unless the boundary did; that fenced write is the ownership check
+    /// before the provider request. Nothing is sent yet.
+    async fn start(
+        engine: &'a Engine,
+        held: &'a Held,
+        number: u32,
+        messages: &[Message],
+        info: projector::SessionInfo,
+        started: Option<(MessageId, u64)>,
+        cancel: &'a CancellationToken,
+    ) -> Result<Self, Error> {
+        let session = held.claim.session_id;
+        let agent = engine.agent(&info.agent)?;
+        let provider = engine.provider(&info.model)?;
+        let last_step = number >= agent.max_steps;
+        let mut known: HashMap<String, Effect> = engine
+            .settings
+            .tools
+            .iter()
+            .map(|t| (t.name().to_owned(), t.effect()))
+            .collect();
+        known.insert(QUESTION.into(), Effect::Read);
+        let limits = engine.limits(&info.model);
+        let mut request = provider::Request {
+            model: info.model.clone(),
+            system: agent.system.clone(),
+            turns: context::turns(messages),
+            tools: engine.specs.clone(),
+            tool_choice: if last_step {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            },
+            max_output_tokens: limits.map(|l| u32::try_from(l.output).unwrap_or(u32::MAX)),
+        };
+        let mut compacted = false;
+        if let Some(limits) = limits
+            && needs_compaction(estimate_tokens(&request), limits)
+        {
+            compacted = true;
+            match engine
+                .compact(held, CompactionReason::Auto, None, None, cancel)
+                .await?
+            {
+                Compacted::Done => {
+                    request.turns = context::turns(&engine.messages(session).await?);
+                }
+                Compacted::Interrupted => return Err(Error::Interrupted),
+                // The step goes ahead; if the provider refuses it as too long, it fails.
+                Compacted::Failed(_) => {}
+            }
+        }
+        let (assistant, assistant_seq) = match started {
+            Some(started) => started,
+            None => {
+                let claim = held.claim;
+                let info = info.clone();
+                let (started, envelopes) = engine
+                    .fenced(held, move |c, now| {
+                        start_step(c, now, &claim, &info, number)
+                    })
+                    .await?;
+                engine.publish(&envelopes);
+                started
+            }
+        };
+        if cancel.is_cancelled() {
+            return Err(Error::Interrupted);
+        }
+        if !engine.owns(held) {
+            return Err(Error::OwnershipLost(session));
+        }
+        let directory = std::fs::canonicalize(&info.directory).map_err(|e| {
+            format!(
+                "the session directory {} is not usable: {e}",
+                info.directory
+            )
+        });
+        let response = Response::streaming(provider.stream(&request));
+        Ok(Self {
+            engine,
+            held,
+            agent,
+            provider,
+            request,
+            assistant,
+            assistant_seq,
+            directory,
+            translator: Translator::new(assistant, known, last_step),
+            response,
+            calls: JoinSet::new(),
+            retries: 0,
+            compacted,
+            called_tools: false,
+            stopped: None,
+            burst: Burst::default(),
+            last_results: Vec::new(),
+            cancel,
+            calls_cancel: cancel.child_token(),
+        })
+    }
+
+    /// Drives the step until its response is over and its calls are joined, then ends it.
+    async fn run(&mut self) -> Result<Ended, Error> {
+        let over = loop {
+            // The detours before any output run to their end before anything else.
+            match std::mem::replace(&mut self.response, Response::Over(Over::Ended)) {
+                Response::Overflowed(error) => {
+                    self.response = self.on_overflow(error).await?;
+                    continue;
+                }
+                Response::Retrying { error, wait } => {
+                    self.response = self.on_retry(error, wait).await?;
+                    continue;
+                }
+                Response::Over(over) if self.calls.is_empty() => break over,
+                state => self.response = state,
+            }
+            tokio::select! {
+                biased;
+                () = self.cancel.cancelled(), if !self.response.is_interrupted() => {
+                    self.on_cancel();
+                }
+                Some(joined) = self.calls.join_next(), if !self.calls.is_empty() => {
+                    self.on_tool_done(joined).await?;
+                }
+                item = next_event(&mut self.response), if self.response.is_streaming() => {
+                    self.on_stream_batch(item).await?;
+                }
+            }
+        };
+        self.commit_burst().await?;
+        self.end(over).await
+    }
+
+    /// Whether an interrupt ended the response.
+    pub(super) fn is_interrupted(&self) -> bool {
+        self.response.is_interrupted()
+    }
+
+    /// An interrupt: the stream is dropped, the calls are told to stop.
+    fn on_cancel(&mut self) {
+        self.response = self.interrupted();
+    }
+
+    fn interrupted(&self) -> Response {
+        self.calls_cancel.cancel();
+        Response::Over(Over::Interrupted)
+    }
+
+    /// Takes `first` and everything else the stream has ready, so deltas go out batched
+    /// and the durable events commit in one write, and moves the response on.
+    async fn on_stream_batch(
+        &mut self,
+        first: Option<Result<Event, provider::Error>>,
+    ) -> Result<(), Error> {
+        let Response::Streaming {
+            mut stream,
+            mut said,
+        } = std::mem::replace(&mut self.response, Response::Over(Over::Ended))
+        else {
+            // The arm runs only while the response streams.
+            return Ok(());
+        };
+        let mut item = first;
+        let next = loop {
+            match item {
+                // Ended before saying anything: cut short, retried like one.
+                None if !said => {
+                    break self.retry_or_fail(
+                        provider::Error::Incomplete("the stream ended before any output".into()),
+                        said,
+                    );
+                }
+                None => break Response::Over(Over::Ended),
+                Some(Err(e @ provider::Error::ContextOverflow(_))) if !said && !self.compacted => {
+                    break Response::Overflowed(e);
+                }
+                Some(Err(e)) => break self.retry_or_fail(e, said),
+                Some(Ok(event)) => match self.translator.accept(event) {
+                    Err(e) => break Response::Over(Over::Failed(e)),
+                    Ok(actions) => {
+                        said = true;
+                        self.burst.extend(actions.durable, actions.ephemeral);
+                        if !actions.launch.is_empty() {
+                            // A local call starts only once its `tool.called` committed.
+                            self.commit_burst().await?;
+                        }
+                        for launch in actions.launch {
+                            self.called_tools = true;
+                            self.launch(launch).await?;
+                        }
+                    }
+                },
+            }
+            match stream.next().now_or_never() {
+                Some(next) => item = next,
+                None => break Response::Streaming { stream, said },
+            }
+        };
+        self.commit_burst().await?;
+        self.response = next;
+        Ok(())
+    }
+
+    /// A provider failure, retried after a wait when nothing was said yet and the policy
+    /// allows another attempt, else the step's error.
+    fn retry_or_fail(&self, error: provider::Error, said: bool) -> Response {
+        if said {
+            return Response::Over(Over::Failed(error));
+        }
+        match self.engine.settings.retry.delay(self.retries + 1, &error) {
+            Some(wait) => Response::Retrying { error, wait },
+            None => Response::Over(Over::Failed(error)),
+        }
+    }
+
+    /// A local call finished (or got its reply): its result is recorded, or held for the
+    /// step's end when it is the step's last word.
+    async fn on_tool_done(
+        &mut self,
+        joined: Result<(CallId, Done), JoinError>,
+    ) -> Result<(), Error> {
+        let (call_id, done) = joined.map_err(|e| Error::ToolTask(Arc::new(e)))?;
+        match done {
+            Done::Ran(result) if self.response.is_finished() && self.calls.is_empty() => {
+                self.last_results.push(result_event(call_id, result));
+            }
+            done => {
+                if let Some(reason) = self.settle_call(call_id, done).await? {
+                    self.stopped.get_or_insert(reason);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The request was refused as too long before any output: compact once, then send it
+    /// again. A failed summary leaves the original overflow as the step's error.
+    async fn on_overflow(&mut self, error: provider::Error) -> Result<Response, Error> {
+        self.compacted = true;
+        let open_step = Some((self.assistant, self.assistant_seq));
+        let compacted = self
+            .engine
+            .compact(
+                self.held,
+                CompactionReason::Overflow,
+                None,
+                open_step,
+                self.cancel,
+            )
+            .await?;
+        Ok(match compacted {
+            Compacted::Done => {
+                let session = self.held.claim.session_id;
+                self.request.turns = context::turns(&self.engine.messages(session).await?);
+                Response::streaming(self.provider.stream(&self.request))
+            }
+            Compacted::Interrupted => self.interrupted(),
+            Compacted::Failed(_) => Response::Over(Over::Failed(error)),
+        })
+    }
+
+    /// Publishes `retry.scheduled`, waits, and sends the request again; an interrupt
+    /// during the wait ends the response with no further attempt.
+    async fn on_retry(
+        &mut self,
+        error: provider::Error,
+        wait: Duration,
+    ) -> Result<Response, Error> {
+        self.retries += 1;
+        let (engine, held) = (self.engine, self.held);
+        let session = held.claim.session_id;
+        let at = engine
+            .now()
+            .saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        tracing::warn!(%session, retry = self.retries, wait_ms = wait.as_millis(), error = %error, "provider request failed; retrying");
+        engine
+            .commit(
+                held,
+                vec![DurableEvent::RetryScheduled(payload::RetryScheduled {
+                    assistant_message_id: self.assistant,
+                    attempt: self.retries,
+                    at,
+                    error: error.info(),
+                })],
+            )
+            .await?;
+        tokio::select! {
+            () = self.cancel.cancelled() => Ok(self.interrupted()),
+            () = tokio::time::sleep(wait) => {
+                if engine.owns(held) {
+                    Ok(Response::streaming(self.provider.stream(&self.request)))
+                } else {
+                    Err(Error::OwnershipLost(session))
+                }
+            }
+        }
+    }
+
+    /// Writes the end of an interrupted or failed step; hands an ended one back for the
+    /// drain to commit with the next boundary.
+    async fn end(&mut self, over: Over) -> Result<Ended, Error> {
+        let assistant = self.assistant;
+        let mut closing = std::mem::take(&mut self.last_results);
+        let failure = match over {
+            Over::Interrupted => {
+                closing.push(DurableEvent::StepInterrupted(payload::StepInterrupted {
+                    assistant_message_id: assistant,
+                    reason: InterruptReason::User,
+                }));
+                self.engine.commit(self.held, closing).await?;
+                return Err(Error::Interrupted);
+            }
+            Over::Failed(error) => Some(error),
+            Over::Ended => None,
+        };
+        closing.extend(self.translator.close());
+        let finish = self.translator.finish;
+        let failure = failure.or_else(|| {
+            finish
+                .is_none()
+                .then(|| provider::Error::Incomplete("the stream ended without a finish".into()))
+        });
+        let (summary, end) = match (failure, self.stopped) {
+            (_, Some(reason)) => (
+                StepSummary {
+                    finish: finish.map(|(f, _)| f),
+                    called_tools: self.called_tools,
+                    stopped: true,
+                },
+                DurableEvent::StepInterrupted(payload::StepInterrupted {
+                    assistant_message_id: assistant,
+                    reason,
+                }),
+            ),
+            (Some(error), None) => {
+                let info = error.info();
+                closing.push(DurableEvent::StepFailed(payload::StepFailed {
+                    assistant_message_id: assistant,
+                    error: info.clone(),
+                    usage: finish.map(|(_, u)| u),
+                }));
+                self.engine.commit(self.held, closing).await?;
+                return Err(Error::StepFailed(info));
+            }
+            (None, None) => {
+                let (finish, usage) = finish.unwrap_or((Finish::Other, Usage::default()));
+                (
+                    StepSummary {
+                        finish: Some(finish),
+                        called_tools: self.called_tools,
+                        stopped: false,
+                    },
+                    DurableEvent::StepEnded(payload::StepEnded {
+                        assistant_message_id: assistant,
+                        finish,
+                        usage,
+                        cost: 0.0,
+                    }),
+                )
+            }
+        };
+        closing.push(end);
+        Ok(Ended {
+            summary,
+            assistant,
+            closing,
+        })
+    }
+
+    /// Commits the burst's durable events in one fenced write, then publishes everything
     /// live in the order the provider produced it (runs of deltas coalesced).
-    async fn send(&self, held: &Held, outbox: &mut Outbox) -> Result<(), Error> {
-        let Outbox { durable, order } = std::mem::take(outbox);
+    async fn commit_burst(&mut self) -> Result<(), Error> {
+        let Burst { durable, order } = std::mem::take(&mut self.burst);
         let mut deltas = Vec::new();
         let mut order = order.into_iter().peekable();
         // Deltas ahead of the first durable event follow what is already committed: they
@@ -519,43 +667,38 @@ impl Engine {
         {
             deltas.push(event);
         }
-        self.publish_deltas(held, &mut deltas);
+        self.publish_deltas(&mut deltas);
         if durable.is_empty() {
             return Ok(());
         }
-        let session = held.claim.session_id;
-        let mut committed = self
-            .fenced(held, move |c, now| {
-                crate::event::log::append(c, now, session, durable).map_err(Error::from)
-            })
-            .await?
-            .into_iter();
+        let mut committed = self.engine.append(self.held, durable).await?.into_iter();
         for item in order {
             match item {
                 Outgoing::Ephemeral(event) => deltas.push(event),
                 Outgoing::Durable => {
-                    self.publish_deltas(held, &mut deltas);
+                    self.publish_deltas(&mut deltas);
                     if let Some(envelope) = committed.next() {
-                        self.broadcast(std::slice::from_ref(&envelope));
+                        self.engine.publish(std::slice::from_ref(&envelope));
                     }
                 }
             }
         }
-        self.publish_deltas(held, &mut deltas);
+        self.publish_deltas(&mut deltas);
         Ok(())
     }
 
-    fn publish_deltas(&self, held: &Held, deltas: &mut Vec<EphemeralEvent>) {
+    fn publish_deltas(&self, deltas: &mut Vec<EphemeralEvent>) {
         for event in coalesce(std::mem::take(deltas)) {
-            self.publish_ephemeral(held, event);
+            self.engine.publish_ephemeral(self.held, event);
         }
     }
 }
 
-/// A burst of the step's output, in the order the provider produced it, until it is sent:
-/// everything the stream has ready commits in one write instead of one per event.
+/// A burst of the step's output, in the order the provider produced it, until it is
+/// committed: everything the stream has ready commits in one write instead of one per
+/// event.
 #[derive(Debug, Default)]
-struct Outbox {
+struct Burst {
     /// The durable events, to commit together.
     durable: Vec<DurableEvent>,
     /// Everything in order; `Durable` stands for the next of `durable`.
@@ -568,7 +711,7 @@ enum Outgoing {
     Ephemeral(EphemeralEvent),
 }
 
-impl Outbox {
+impl Burst {
     /// One provider event's output: its durable events come before its deltas.
     fn extend(&mut self, durable: Vec<DurableEvent>, ephemeral: Vec<EphemeralEvent>) {
         self.order.extend(durable.iter().map(|_| Outgoing::Durable));

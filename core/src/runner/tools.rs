@@ -1,20 +1,20 @@
-//! Local calls of a step: permission policies, questions, starting tools, and recording
+//! A step's local calls: permission policies, questions, starting tools, and recording
 //! how each call ended. Every write goes through the fence; a tool starts only while this
-//! process owns the execution.
+//! process owns the execution. These are methods of [`Step`], whose set of running calls
+//! and cancellation they extend.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use keel_schema::event::{DurableEvent, EphemeralEvent, payload};
 use keel_schema::id::{CallId, RequestId};
 use keel_schema::types::{Decision, ErrorInfo, InterruptReason, ToolContent};
 use serde_json::{Value, json};
-use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
 
-use super::publisher::Launch;
-use super::{Engine, Error, Held, Policy, Reply};
+use super::fence::Held;
+use super::step::Step;
+use super::translate::Launch;
+use super::{Engine, Error, Live, Policy, Reply};
 use crate::provider::ToolSpec;
 use crate::tool;
 
@@ -80,18 +80,11 @@ pub(super) fn result_event(
     }
 }
 
-impl Engine {
+impl Step<'_> {
     /// Acts on a local call whose `tool.called` has committed: asks, denies, or starts it.
-    pub(super) async fn launch(
-        &self,
-        held: &Held,
-        agent: &super::Agent,
-        directory: Result<&PathBuf, &String>,
-        launch: Launch,
-        cancel: &CancellationToken,
-        tasks: &mut JoinSet<(CallId, Done)>,
-    ) -> Result<(), Error> {
-        if !self.owns(held) {
+    pub(super) async fn launch(&mut self, launch: Launch) -> Result<(), Error> {
+        let (engine, held) = (self.engine, self.held);
+        if !engine.owns(held) {
             return Err(Error::OwnershipLost(held.claim.session_id));
         }
         let call_id = launch.call_id;
@@ -109,19 +102,20 @@ impl Engine {
                 })
                 .unwrap_or_default();
             let request = RequestId::new();
-            let reply = self.wait_for(request);
-            self.publish(
-                held,
-                vec![DurableEvent::QuestionAsked(payload::QuestionAsked {
-                    request_id: request,
-                    call_id,
-                    question,
-                    options,
-                })],
-            )
-            .await?;
-            let cancel = cancel.clone();
-            tasks.spawn(async move {
+            let reply = engine.wait_for(request);
+            engine
+                .commit(
+                    held,
+                    vec![DurableEvent::QuestionAsked(payload::QuestionAsked {
+                        request_id: request,
+                        call_id,
+                        question,
+                        options,
+                    })],
+                )
+                .await?;
+            let cancel = self.calls_cancel.clone();
+            self.calls.spawn(async move {
                 let done = tokio::select! {
                     () = cancel.cancelled() => Done::Abandoned,
                     reply = reply => match reply {
@@ -134,53 +128,56 @@ impl Engine {
             });
             return Ok(());
         }
-        let policy = agent
+        let policy = self
+            .agent
             .permissions
             .get(&launch.name)
             .copied()
             .unwrap_or_default();
-        let policy = if policy == Policy::Ask && self.always_allowed(held, &launch.name).await? {
+        let policy = if policy == Policy::Ask && engine.always_allowed(held, &launch.name).await? {
             Policy::Allow
         } else {
             policy
         };
         match policy {
             Policy::Deny => {
-                self.publish(
-                    held,
-                    vec![DurableEvent::ToolFailed(payload::ToolFailed {
-                        call_id,
-                        error: ErrorInfo::new(
-                            "tool.permission-denied",
-                            format!("the `{}` tool is not allowed for this agent", launch.name),
-                        ),
-                    })],
-                )
-                .await?;
+                engine
+                    .commit(
+                        held,
+                        vec![DurableEvent::ToolFailed(payload::ToolFailed {
+                            call_id,
+                            error: ErrorInfo::new(
+                                "tool.permission-denied",
+                                format!("the `{}` tool is not allowed for this agent", launch.name),
+                            ),
+                        })],
+                    )
+                    .await?;
             }
             Policy::Ask => {
-                let pattern = self
+                let pattern = engine
                     .settings
                     .tools
                     .get(&launch.name)
                     .map(|t| t.permission_pattern(&launch.input))
                     .unwrap_or_default();
                 let request = RequestId::new();
-                let reply = self.wait_for(request);
-                self.publish(
-                    held,
-                    vec![DurableEvent::PermissionRequested(
-                        payload::PermissionRequested {
-                            request_id: request,
-                            call_id,
-                            tool: launch.name.clone(),
-                            pattern,
-                        },
-                    )],
-                )
-                .await?;
-                let cancel = cancel.clone();
-                tasks.spawn(async move {
+                let reply = engine.wait_for(request);
+                engine
+                    .commit(
+                        held,
+                        vec![DurableEvent::PermissionRequested(
+                            payload::PermissionRequested {
+                                request_id: request,
+                                call_id,
+                                tool: launch.name.clone(),
+                                pattern,
+                            },
+                        )],
+                    )
+                    .await?;
+                let cancel = self.calls_cancel.clone();
+                self.calls.spawn(async move {
                     let done = tokio::select! {
                         () = cancel.cancelled() => Done::Abandoned,
                         reply = reply => match reply {
@@ -191,26 +188,20 @@ impl Engine {
                     (call_id, done)
                 });
             }
-            Policy::Allow => self.start_tool(held, directory, launch, cancel, tasks)?,
+            Policy::Allow => self.start_tool(launch)?,
         }
         Ok(())
     }
 
     /// Starts a tool run, after checking ownership one last time.
-    fn start_tool(
-        &self,
-        held: &Held,
-        directory: Result<&PathBuf, &String>,
-        launch: Launch,
-        cancel: &CancellationToken,
-        tasks: &mut JoinSet<(CallId, Done)>,
-    ) -> Result<(), Error> {
-        if !self.owns(held) {
+    fn start_tool(&mut self, launch: Launch) -> Result<(), Error> {
+        let (engine, held) = (self.engine, self.held);
+        if !engine.owns(held) {
             return Err(Error::OwnershipLost(held.claim.session_id));
         }
         let call_id = launch.call_id;
-        let Some(tool) = self.settings.tools.get(&launch.name).cloned() else {
-            tasks.spawn(async move {
+        let Some(tool) = engine.settings.tools.get(&launch.name).cloned() else {
+            self.calls.spawn(async move {
                 (
                     call_id,
                     Done::Ran(Err(tool::Error::InvalidInput(format!(
@@ -221,46 +212,43 @@ impl Engine {
             });
             return Ok(());
         };
-        let directory = match directory {
+        let directory = match &self.directory {
             Ok(directory) => directory.clone(),
             Err(message) => {
                 let message = message.clone();
-                tasks.spawn(async move { (call_id, Done::Ran(Err(tool::Error::Io(message)))) });
+                self.calls
+                    .spawn(async move { (call_id, Done::Ran(Err(tool::Error::Io(message)))) });
                 return Ok(());
             }
         };
         let (progress_tx, mut progress_rx) = tokio::sync::mpsc::channel::<Value>(64);
         let context = tool::Context {
             directory,
-            cancel: cancel.clone(),
-            limits: self.settings.limits,
+            cancel: self.calls_cancel.clone(),
+            limits: engine.settings.limits,
             progress: Some(progress_tx),
             call: Some((held.claim.session_id, call_id)),
         };
-        let live = self.live.clone();
+        let live = engine.live.clone();
         let session = held.claim.session_id;
         let ownership = held.ownership.clone();
-        let clock = self.store.clock().clone();
+        let clock = engine.store.clock().clone();
+        // Progress is published only while the claim is this process's, like every delta.
         tokio::spawn(async move {
             while let Some(metadata) = progress_rx.recv().await {
-                let owns = !ownership.lost.load(std::sync::atomic::Ordering::SeqCst)
-                    && clock.now_ms()
-                        < ownership.deadline.load(std::sync::atomic::Ordering::SeqCst);
-                if owns {
-                    live.send(super::Live::Ephemeral(
-                        keel_schema::event::EphemeralEnvelope {
-                            session_id: session,
-                            time: clock.now_ms(),
-                            event: EphemeralEvent::ToolProgress(payload::ToolProgress {
-                                call_id,
-                                metadata,
-                            }),
-                        },
-                    ));
+                if ownership.holds(clock.now_ms()) {
+                    live.publish(Live::Ephemeral(keel_schema::event::EphemeralEnvelope {
+                        session_id: session,
+                        time: clock.now_ms(),
+                        event: EphemeralEvent::ToolProgress(payload::ToolProgress {
+                            call_id,
+                            metadata,
+                        }),
+                    }));
                 }
             }
         });
-        tasks.spawn(async move {
+        self.calls.spawn(async move {
             let result = tool.run(launch.input, &context).await;
             (call_id, Done::Ran(result))
         });
@@ -269,28 +257,24 @@ impl Engine {
 
     /// Records how a local call ended, or starts it once permitted. Returns a reason when
     /// the reply interrupts the continuation.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn settle_call(
-        &self,
-        held: &Held,
-        directory: Option<&PathBuf>,
+        &mut self,
         call_id: CallId,
         done: Done,
-        cancel: &CancellationToken,
-        tasks: &mut JoinSet<(CallId, Done)>,
-        interrupted: bool,
     ) -> Result<Option<InterruptReason>, Error> {
+        let (engine, held) = (self.engine, self.held);
         match done {
             // Left unresolved: the step's `step.interrupted` fails it durably.
-            Done::Abandoned | Done::Ran(Err(tool::Error::Interrupted)) if interrupted => Ok(None),
             Done::Abandoned => Ok(None),
+            Done::Ran(Err(tool::Error::Interrupted)) if self.is_interrupted() => Ok(None),
             Done::Ran(result) => {
-                self.publish(held, vec![result_event(call_id, result)])
+                engine
+                    .commit(held, vec![result_event(call_id, result)])
                     .await?;
                 Ok(None)
             }
             Done::Decided(decision, launch) => {
-                let request = self.request_of(held, call_id).await?;
+                let request = engine.request_of(held, call_id).await?;
                 let mut events = vec![DurableEvent::PermissionReplied(
                     payload::PermissionReplied {
                         request_id: request,
@@ -305,55 +289,58 @@ impl Engine {
                             format!("the user rejected this `{}` call", launch.name),
                         ),
                     }));
-                    self.publish(held, events).await?;
+                    engine.commit(held, events).await?;
                     return Ok(Some(InterruptReason::PermissionRejected));
                 }
-                self.publish(held, events).await?;
-                let unusable = "the session directory is not usable".to_owned();
-                self.start_tool(held, directory.ok_or(&unusable), launch, cancel, tasks)?;
+                engine.commit(held, events).await?;
+                self.start_tool(launch)?;
                 Ok(None)
             }
             Done::Answered(request, answer) => {
-                self.publish(
-                    held,
-                    vec![
-                        DurableEvent::QuestionAnswered(payload::QuestionAnswered {
-                            request_id: request,
-                            answer: answer.clone(),
-                        }),
-                        DurableEvent::ToolSuccess(payload::ToolSuccess {
-                            call_id,
-                            structured: json!({"answer": answer}),
-                            content: vec![ToolContent::Text { text: answer }],
-                            result: None,
-                        }),
-                    ],
-                )
-                .await?;
+                engine
+                    .commit(
+                        held,
+                        vec![
+                            DurableEvent::QuestionAnswered(payload::QuestionAnswered {
+                                request_id: request,
+                                answer: answer.clone(),
+                            }),
+                            DurableEvent::ToolSuccess(payload::ToolSuccess {
+                                call_id,
+                                structured: json!({"answer": answer}),
+                                content: vec![ToolContent::Text { text: answer }],
+                                result: None,
+                            }),
+                        ],
+                    )
+                    .await?;
                 Ok(None)
             }
             Done::Dismissed(request) => {
-                self.publish(
-                    held,
-                    vec![
-                        DurableEvent::QuestionDismissed(payload::QuestionDismissed {
-                            request_id: request,
-                        }),
-                        DurableEvent::ToolFailed(payload::ToolFailed {
-                            call_id,
-                            error: ErrorInfo::new(
-                                "tool.question-dismissed",
-                                "the user dismissed the question",
-                            ),
-                        }),
-                    ],
-                )
-                .await?;
+                engine
+                    .commit(
+                        held,
+                        vec![
+                            DurableEvent::QuestionDismissed(payload::QuestionDismissed {
+                                request_id: request,
+                            }),
+                            DurableEvent::ToolFailed(payload::ToolFailed {
+                                call_id,
+                                error: ErrorInfo::new(
+                                    "tool.question-dismissed",
+                                    "the user dismissed the question",
+                                ),
+                            }),
+                        ],
+                    )
+                    .await?;
                 Ok(Some(InterruptReason::QuestionDismissed))
             }
         }
     }
+}
 
+impl Engine {
     /// The permission request made for `call_id` in this session.
     async fn request_of(&self, held: &Held, call_id: CallId) -> Result<RequestId, Error> {
         let session = held.claim.session_id;

@@ -126,7 +126,7 @@ pub async fn create_session(
             })],
         )
         .await?;
-    state.runner.announce(&written);
+    state.runner.publish(&written);
     Ok((StatusCode::CREATED, Json(existing(&state, id).await?)))
 }
 
@@ -188,7 +188,7 @@ pub async fn update_session(
         }));
     }
     let written = state.store.append(id, events).await?;
-    state.runner.announce(&written);
+    state.runner.publish(&written);
     Ok(Json(existing(&state, id).await?))
 }
 
@@ -209,7 +209,7 @@ pub async fn delete_session(
         .store
         .append(id, vec![DurableEvent::Deleted(payload::Deleted {})])
         .await?;
-    state.runner.announce(&written);
+    state.runner.publish(&written);
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -238,7 +238,7 @@ pub async fn session_status(
     }))
 }
 
-/// Admits an input, announces what was written, and wakes the session when asked.
+/// Admits an input, publishes what was written, and wakes the session when asked.
 async fn admit(state: &AppState, id: SessionId, admission: Admission) -> Result<Admitted> {
     let clock = state.store.clock().clone();
     let delivery = admission.delivery;
@@ -255,7 +255,7 @@ async fn admit(state: &AppState, id: SessionId, admission: Admission) -> Result<
         })
         .await;
     let (admitted, written) = admitted?;
-    state.runner.announce(&written);
+    state.runner.publish(&written);
     if admitted.wake {
         let scope = match delivery {
             Delivery::Steer => Scope::Steer,
@@ -342,7 +342,7 @@ pub async fn interrupt(
                 session: id,
                 kind: cluster::RouteKind::Interrupt,
             };
-            bus.route(&interrupt).is_ok()
+            bus.forward(&interrupt).is_ok()
         }
         _ => false,
     };
@@ -406,7 +406,7 @@ async fn delivered(
                 session,
                 kind: cluster::RouteKind::Reply { request, reply },
             };
-            bus.route(&route)
+            bus.forward(&route)
                 .map_err(|e| ApiError::new(ErrorType::PayloadTooLarge, e))?;
             Ok(Json(Accepted { accepted: true }))
         }

@@ -1,4 +1,4 @@
-//! The publisher: turns one assistant message's provider events into Keel events.
+//! The translator: turns one assistant message's provider events into Keel events.
 //!
 //! Rules: at most one open text and one open reasoning fragment; ordinals count per kind;
 //! deltas are ephemeral (and [`coalesce`]d into batches by the step); a duplicate start,
@@ -32,7 +32,7 @@ struct Call {
 }
 
 /// Turns provider events into Keel events for one assistant message.
-pub(super) struct Publisher {
+pub(super) struct Translator {
     assistant: MessageId,
     /// Tools the model may call, with their effects.
     known: HashMap<String, Effect>,
@@ -60,7 +60,7 @@ fn protocol(message: impl Into<String>) -> provider::Error {
     provider::Error::Protocol(message.into())
 }
 
-impl Publisher {
+impl Translator {
     pub fn new(assistant: MessageId, known: HashMap<String, Effect>, last_step: bool) -> Self {
         Self {
             assistant,

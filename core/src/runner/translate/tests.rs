@@ -2,8 +2,8 @@ use keel_schema::types::{Effect, Finish, Usage};
 
 use super::*;
 
-fn publisher() -> Publisher {
-    Publisher::new(
+fn translator() -> Translator {
+    Translator::new(
         MessageId::new(),
         HashMap::from([("read".to_owned(), Effect::Read)]),
         false,
@@ -20,7 +20,7 @@ fn kinds(actions: &Actions) -> Vec<&'static str> {
 
 #[test]
 fn a_second_open_text_fragment_is_a_protocol_error() {
-    let mut p = publisher();
+    let mut p = translator();
     p.accept(Event::TextStart).unwrap();
     assert!(matches!(
         p.accept(Event::TextStart),
@@ -30,7 +30,7 @@ fn a_second_open_text_fragment_is_a_protocol_error() {
 
 #[test]
 fn text_and_reasoning_count_their_ordinals_separately() {
-    let mut p = publisher();
+    let mut p = translator();
     let mut ordinals = Vec::new();
     for event in [
         Event::TextStart,
@@ -53,7 +53,7 @@ fn text_and_reasoning_count_their_ordinals_separately() {
 
 #[test]
 fn deltas_are_ephemeral_and_the_ended_event_carries_the_whole_text() {
-    let mut p = publisher();
+    let mut p = translator();
     p.accept(Event::TextStart).unwrap();
     let delta = p.accept(Event::TextDelta("Hel".into())).unwrap();
     assert!(delta.durable.is_empty());
@@ -71,7 +71,7 @@ fn a_duplicate_call_a_result_for_a_local_call_and_a_second_finish_are_protocol_e
         input: "{}".into(),
         provider_executed: false,
     };
-    let mut p = publisher();
+    let mut p = translator();
     let first = p.accept(call()).unwrap();
     assert_eq!(kinds(&first), vec!["session.next.tool.called"]);
     assert_eq!(first.launch.len(), 1);
@@ -102,7 +102,7 @@ fn a_duplicate_call_a_result_for_a_local_call_and_a_second_finish_are_protocol_e
 
 #[test]
 fn calls_the_model_may_not_make_fail_at_once_and_are_not_launched() {
-    let mut p = publisher();
+    let mut p = translator();
     let unknown = p
         .accept(Event::ToolCall {
             id: "a".into(),
@@ -116,7 +116,7 @@ fn calls_the_model_may_not_make_fail_at_once_and_are_not_launched() {
         vec!["session.next.tool.called", "session.next.tool.failed"]
     );
     assert!(unknown.launch.is_empty());
-    let mut last = Publisher::new(
+    let mut last = Translator::new(
         MessageId::new(),
         HashMap::from([("read".to_owned(), Effect::Read)]),
         true,
@@ -137,7 +137,7 @@ fn calls_the_model_may_not_make_fail_at_once_and_are_not_launched() {
 
 #[test]
 fn closing_ends_open_fragments_in_order_and_fails_unsettled_hosted_calls() {
-    let mut p = publisher();
+    let mut p = translator();
     p.accept(Event::TextStart).unwrap();
     p.accept(Event::ReasoningStart).unwrap();
     p.accept(Event::ToolCall {

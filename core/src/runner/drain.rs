@@ -1,0 +1,198 @@
+//! The drain: promotion at each boundary, then steps until the model stops or nothing is
+//! left.
+//!
+//! A boundary is one fenced transaction: the previous step's end (held back by the step,
+//! [`super::step::Ended`]), the promotion of waiting input ([`crate::inbox`]), the
+//! transcript brought up to date (held across steps, so a step reads only what changed),
+//! the session's settings, the decision whether a step follows ([`next_step`]) and, when
+//! nothing must come before it, that step's `step.started`.
+
+use keel_schema::api::{Message, StepEnd};
+use keel_schema::id::{MessageId, SessionId};
+use keel_schema::types::Finish;
+use tokio_util::sync::CancellationToken;
+
+use super::fence::Held;
+use super::{Engine, Error, compaction, step};
+use crate::coordinator::Request;
+use crate::event::log;
+use crate::event::projector::{self, Transcript};
+use crate::inbox::{self, Boundary, Promotion};
+
+impl Engine {
+    /// One drain: promotion at boundaries, steps until the model stops or nothing is left.
+    pub(super) async fn drain_session(
+        &self,
+        session: SessionId,
+        request: Request,
+        cancel: CancellationToken,
+    ) -> Result<(), Error> {
+        let held = self.held(session).ok_or(Error::OwnershipLost(session))?;
+        let mut boundary = Boundary::Idle;
+        let mut step_number = 0u32;
+        let mut first = true;
+        // Held across steps and brought up to date at each boundary, in the boundary's
+        // own transaction: a step reads only what changed, not the whole history.
+        let mut transcript = Transcript::default();
+        // The end of the step before this boundary, committed with the boundary's work.
+        let mut ended: Option<step::Ended> = None;
+        loop {
+            if cancel.is_cancelled() {
+                if let Some(ended) = ended.take() {
+                    self.close_step(&held, ended).await?;
+                }
+                return Err(Error::Interrupted);
+            }
+            let ending = ended.take().map(|e| (e.assistant, e.closing));
+            let assistant = ending.as_ref().map(|(assistant, _)| *assistant);
+            let (settings, claim, force) = (self.settings.clone(), held.claim, request.force);
+            let counted = step_number;
+            let boundary_work = self
+                .fenced(&held, move |c, now| {
+                    let mut written = match ending {
+                        Some((_, closing)) => log::append(c, now, session, closing)?,
+                        None => Vec::new(),
+                    };
+                    let promotion = inbox::promote_into(c, now, session, boundary, &mut written)?;
+                    transcript.refresh(c, session)?;
+                    let info = projector::session_info(c, session)?;
+                    let next = next_step(
+                        &promotion,
+                        boundary,
+                        first,
+                        force,
+                        transcript.messages(),
+                        counted,
+                    );
+                    // The step's start rides along when nothing has to come before it.
+                    let started = match (&info, next) {
+                        (Some(info), Some(number)) if settings.starts_directly(info) => {
+                            let (started, envelopes) =
+                                step::start_step(c, now, &claim, info, number)?;
+                            written.extend(envelopes);
+                            Some(started)
+                        }
+                        _ => None,
+                    };
+                    Ok((promotion, written, transcript, info, next, started))
+                })
+                .await;
+            let (promotion, envelopes, refreshed, info, next, started) = match boundary_work {
+                Ok(done) => done,
+                Err(error) => {
+                    if let Some(assistant) = assistant {
+                        self.step_not_closed(&held, assistant, &error).await;
+                    }
+                    return Err(error);
+                }
+            };
+            transcript = refreshed;
+            self.publish(&envelopes);
+            if let Promotion::Control(input) = &promotion {
+                // The only control input is `compact`; its outcome is in its events, and
+                // a failed compaction leaves the history as it was.
+                let compacted = self
+                    .compact(
+                        &held,
+                        keel_schema::types::CompactionReason::Manual,
+                        Some(input.id),
+                        None,
+                        &cancel,
+                    )
+                    .await?;
+                if compacted == compaction::Compacted::Interrupted {
+                    return Err(Error::Interrupted);
+                }
+                continue;
+            }
+            first = false;
+            let Some(number) = next else {
+                return Ok(());
+            };
+            step_number = number;
+            let info = info.ok_or_else(|| Error::Config(format!("no session {session}")))?;
+            let step = self
+                .step(
+                    &held,
+                    step_number,
+                    transcript.messages(),
+                    info,
+                    started,
+                    &cancel,
+                )
+                .await?;
+            boundary = if step.summary.continues() {
+                Boundary::Step
+            } else {
+                Boundary::Idle
+            };
+            ended = Some(step);
+        }
+    }
+
+    /// Writes a step's end on its own (the drain stops before another boundary).
+    async fn close_step(&self, held: &Held, ended: step::Ended) -> Result<(), Error> {
+        let assistant = ended.assistant;
+        if let Err(error) = self.commit(held, ended.closing).await {
+            self.step_not_closed(held, assistant, &error).await;
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    /// A step's end could not be written: a database failure fails the step, so it still
+    /// ends with exactly one terminal event and no call left running; a lost claim leaves
+    /// it to recovery.
+    async fn step_not_closed(&self, held: &Held, assistant: MessageId, error: &Error) {
+        if error.breaks_step() {
+            self.fail_step(held, assistant, error).await;
+        }
+    }
+}
+
+/// The number of the step that follows a boundary, or `None` when none does. New prompts
+/// run a step (from step 1 after an idle boundary); past the first boundary, otherwise,
+/// only a tool-driven continuation does, or a step whose tool calls were refused would
+/// loop; the first boundary also runs one when the transcript waits for the model. A
+/// control input runs no step here (the drain carries it out first).
+fn next_step(
+    promotion: &Promotion,
+    boundary: Boundary,
+    first: bool,
+    force: bool,
+    messages: &[Message],
+    step_number: u32,
+) -> Option<u32> {
+    let (go, counted) = match promotion {
+        Promotion::Control(_) => return None,
+        Promotion::Prompts(_) if boundary == Boundary::Idle => (true, 0),
+        Promotion::Prompts(_) => (true, step_number),
+        Promotion::Nothing => (
+            boundary == Boundary::Step || (first && awaits_model(messages, force)),
+            step_number,
+        ),
+    };
+    go.then_some(counted + 1)
+}
+
+/// Whether the transcript waits for the model: its last message is the user's. `resume`
+/// (an explicit run) also continues a step that asked for tools or was cut short; a mere
+/// wake does not, so a spurious wake never restarts a finished tool loop.
+fn awaits_model(messages: &[Message], resume: bool) -> bool {
+    match messages.last() {
+        None => false,
+        Some(Message::User { .. } | Message::Synthetic { .. }) => true,
+        // A summary ends a manual compaction; an automatic one is followed by its
+        // continuation.
+        Some(Message::Summary { .. }) => false,
+        Some(Message::Assistant { end, .. }) => match end {
+            Some(StepEnd::Ended {
+                finish: Finish::ToolCalls,
+            }) => true,
+            Some(
+                StepEnd::Interrupted { .. } | StepEnd::Recovered { .. } | StepEnd::Failed { .. },
+            ) => resume,
+            Some(StepEnd::Ended { .. }) | None => false,
+        },
+    }
+}

@@ -1,0 +1,283 @@
+//! The engine: the coordinator's [`Work`] for sessions, and what every part of the runner
+//! shares (the store, the settings, the claims this process holds, the live hub, the
+//! replies awaited).
+//!
+//! A busy period: `started` claims the session (`execution.started`), `drain` runs
+//! ([`super::drain`]), `cleanup` settles an interrupted execution in one fenced
+//! transaction, `settled` releases the claim with `execution.settled`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use keel_schema::api::Message;
+use keel_schema::event::{DurableEvent, payload};
+use keel_schema::id::{RequestId, SessionId};
+use keel_schema::types::{ErrorInfo, InterruptReason, Outcome};
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use super::fence::{Held, Ownership};
+use super::{Agent, Error, Forwarder, Reply, Settings, live};
+use crate::coordinator::{BoxFuture, Request, Work};
+use crate::event::{log, projector};
+use crate::execution;
+use crate::provider::ToolSpec;
+use crate::store::Store;
+
+/// The coordinator's work for sessions.
+pub struct Engine {
+    pub(super) store: Store,
+    pub(super) settings: Arc<Settings>,
+    /// The tool definitions every request carries.
+    pub(super) specs: Arc<[ToolSpec]>,
+    pub(super) held: Mutex<HashMap<SessionId, Held>>,
+    pub(super) live: live::Hub,
+    pub(super) waiting: Mutex<HashMap<RequestId, oneshot::Sender<Reply>>>,
+    /// Where wakes for sessions another node holds go (set once, on PostgreSQL).
+    pub(super) forwarder: std::sync::OnceLock<Arc<dyn Forwarder>>,
+}
+
+impl Engine {
+    pub(super) fn new(store: Store, settings: Settings) -> Self {
+        Self {
+            store,
+            specs: super::tools::tool_specs(&settings.tools),
+            settings: Arc::new(settings),
+            held: Mutex::new(HashMap::new()),
+            live: live::Hub::default(),
+            waiting: Mutex::new(HashMap::new()),
+            forwarder: std::sync::OnceLock::new(),
+        }
+    }
+
+    pub(super) fn now(&self) -> i64 {
+        self.store.clock().now_ms()
+    }
+
+    pub(super) fn held(&self, session: SessionId) -> Option<Held> {
+        lock(&self.held).get(&session).cloned()
+    }
+
+    pub(super) fn agent(&self, name: &str) -> Result<Agent, Error> {
+        match self.settings.agents.get(name) {
+            Some(agent) => Ok(agent.clone()),
+            None if name == "build" => Ok(Agent::default()),
+            None => Err(Error::Config(format!(
+                "no agent named `{name}` is configured"
+            ))),
+        }
+    }
+
+    /// The session's directory, agent and model.
+    pub(super) async fn session_info(
+        &self,
+        session: SessionId,
+    ) -> Result<projector::SessionInfo, Error> {
+        self.store
+            .read(move |c| projector::session_info(c, session).map_err(Error::from))
+            .await?
+            .ok_or_else(|| Error::Config(format!("no session {session}")))
+    }
+
+    pub(super) async fn messages(&self, session: SessionId) -> Result<Vec<Message>, Error> {
+        self.store
+            .read(move |c| projector::messages(c, session).map_err(Error::from))
+            .await
+    }
+
+    /// Registers a waiter for a reply to `request`.
+    pub(super) fn wait_for(&self, request: RequestId) -> oneshot::Receiver<Reply> {
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiting).insert(request, tx);
+        rx
+    }
+
+    /// Releases `held`'s claim with `execution.settled`, retrying a failed commit a few
+    /// times: a stranded claim would keep the session busy until recovery.
+    async fn release(
+        &self,
+        held: &Held,
+        outcome: Outcome,
+        error: Option<ErrorInfo>,
+    ) -> Result<(), Error> {
+        let mut attempt = 0;
+        loop {
+            let claim = held.claim;
+            let lease = self.settings.lease_ms;
+            let error = error.clone();
+            let clock = self.store.clock().clone();
+            let result = self
+                .store
+                .write(move |c| {
+                    execution::release(c, clock.now_ms(), lease, &claim, outcome, error)
+                        .map_err(Error::from)
+                })
+                .await;
+            match result {
+                Ok(envelope) => {
+                    self.publish(std::slice::from_ref(&envelope));
+                    return Ok(());
+                }
+                Err(Error::Store(cause)) if attempt < 3 => {
+                    attempt += 1;
+                    tracing::warn!(session = %claim.session_id, error = %cause, attempt, "releasing the claim failed; retrying");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Poisoning means a panic elsewhere mid-update of a plain map; the map itself is fine.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Work for Engine {
+    type Key = SessionId;
+    type Error = Error;
+
+    fn started<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            let (owner, lease) = (self.settings.owner, self.settings.lease_ms);
+            let clock = self.store.clock().clone();
+            let session = *session;
+            let acquired = self
+                .store
+                .write(move |c| {
+                    let now = clock.now_ms();
+                    match execution::acquire(c, now, lease, session, owner)? {
+                        Some((claim, envelope)) => {
+                            Ok::<_, execution::Error>(Ok((claim, envelope, now)))
+                        }
+                        None => Ok(Err(
+                            execution::get(c, session)?.map(|row| row.claim.owner_id)
+                        )),
+                    }
+                })
+                .await
+                .map_err(Error::from)?;
+            let (claim, envelope, now) = match acquired {
+                Ok(acquired) => acquired,
+                Err(holder) => {
+                    // Another node runs the session: the wake is its to carry out.
+                    if let (Some(holder), Some(forwarder)) = (holder, self.forwarder.get())
+                        && holder != owner
+                    {
+                        forwarder.forward_wake(holder, session);
+                    }
+                    return Err(Error::Busy(session));
+                }
+            };
+            self.publish(std::slice::from_ref(&envelope));
+            lock(&self.held).insert(
+                session,
+                Held {
+                    claim,
+                    ownership: Arc::new(Ownership::new(now + lease)),
+                },
+            );
+            Ok(())
+        })
+    }
+
+    fn drain<'a>(
+        &'a self,
+        session: &'a SessionId,
+        request: Request,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(self.drain_session(*session, request, cancel))
+    }
+
+    fn cleanup<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            let Some(held) = self.held(*session) else {
+                return Ok(());
+            };
+            // One fenced transaction: an incomplete assistant gets exactly one
+            // `step.interrupted`; then the claim is released.
+            let session = *session;
+            let claim = held.claim;
+            let lease = self.settings.lease_ms;
+            let clock = self.store.clock().clone();
+            let written = self
+                .store
+                .write(move |c| {
+                    let now = clock.now_ms();
+                    execution::check(c, now, lease, &claim)?;
+                    let mut envelopes = Vec::new();
+                    let row = execution::get(c, session)?;
+                    if let Some(assistant) = row.and_then(|r| r.assistant_message_id) {
+                        let open = projector::messages(c, session)?.into_iter().any(|m| {
+                            matches!(m, Message::Assistant { id, end: None, .. } if id == assistant)
+                        });
+                        if open {
+                            envelopes.extend(log::append(
+                                c,
+                                now,
+                                session,
+                                vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
+                                    assistant_message_id: assistant,
+                                    reason: InterruptReason::User,
+                                })],
+                            )?);
+                        }
+                    }
+                    envelopes.push(execution::release(
+                        c,
+                        now,
+                        lease,
+                        &claim,
+                        Outcome::Interrupted,
+                        None,
+                    )?);
+                    Ok::<_, Error>(envelopes)
+                })
+                .await;
+            match written {
+                Ok(envelopes) => {
+                    lock(&self.held).remove(&session);
+                    self.publish(&envelopes);
+                    Ok(())
+                }
+                Err(e) => {
+                    // The claim stays (in `cancelling`) for recovery; the cause surfaces.
+                    lock(&self.held).remove(&session);
+                    tracing::error!(%session, error = %e, "cleaning up an interrupted execution failed");
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn settled<'a>(
+        &'a self,
+        session: &'a SessionId,
+        outcome: &'a Result<(), Error>,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(held) = lock(&self.held).remove(session) else {
+                return;
+            };
+            let (outcome, error) = match outcome {
+                Ok(()) => (Outcome::Succeeded, None),
+                Err(Error::OwnershipLost(_)) => {
+                    tracing::warn!(%session, "ownership lost; leaving the execution to its new owner");
+                    return;
+                }
+                Err(Error::Interrupted) => (Outcome::Interrupted, None),
+                Err(Error::StepFailed(info)) => (Outcome::Failed, Some(info.clone())),
+                Err(e) => (
+                    Outcome::Failed,
+                    Some(ErrorInfo::new("execution.failed", e.to_string())),
+                ),
+            };
+            if let Err(e) = self.release(&held, outcome, error).await {
+                tracing::error!(%session, error = %e, "the claim could not be released; recovery will take it");
+            }
+        })
+    }
+}

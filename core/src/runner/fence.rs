@@ -1,0 +1,139 @@
+//! Fenced writing and live publishing on behalf of a held claim.
+//!
+//! Three words, used the same way everywhere in Keel:
+//! - **commit**: write durable events in one transaction behind the fence of the claim
+//!   ([`crate::execution::check`]), then publish them ([`Engine::commit`]);
+//! - **publish**: hand events to this process's live subscribers ([`super::live::Hub`]):
+//!   durable ones only after their commit, ephemeral ones only while the claim is owned;
+//! - **forward**: send something to another node ([`crate::cluster`]).
+//!
+//! [`Ownership`] is what the runner knows of its claim without asking the database: a
+//! fenced write that failed marks it lost for good, and each successful one (or a
+//! renewal) moves its deadline. [`Engine::owns`] consults it before every external
+//! action: a provider request, a tool start, a published delta.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+use keel_schema::event::{DurableEvent, Envelope, EphemeralEnvelope, EphemeralEvent};
+
+use super::{Engine, Error, Live};
+use crate::event::log;
+use crate::execution::{self, Claim};
+use crate::store::Conn;
+
+/// Whether this process still owns an execution, as far as it can tell without asking the
+/// database: no fenced write failed, and the lease it last renewed has not run out.
+pub(super) struct Ownership {
+    pub(super) lost: AtomicBool,
+    pub(super) deadline: AtomicI64,
+}
+
+impl Ownership {
+    pub(super) fn new(deadline: i64) -> Self {
+        Self {
+            lost: AtomicBool::new(false),
+            deadline: AtomicI64::new(deadline),
+        }
+    }
+
+    /// Whether the claim is still this process's at `now`.
+    pub(super) fn holds(&self, now: i64) -> bool {
+        !self.lost.load(Ordering::SeqCst) && now < self.deadline.load(Ordering::SeqCst)
+    }
+}
+
+/// A claim held by this process, with what it knows of its lease.
+#[derive(Clone)]
+pub(super) struct Held {
+    pub(super) claim: Claim,
+    pub(super) ownership: Arc<Ownership>,
+}
+
+impl Engine {
+    /// Whether `held` may still act: publish output, start a tool, send a request.
+    pub(super) fn owns(&self, held: &Held) -> bool {
+        held.ownership.holds(self.now())
+    }
+
+    /// Runs `write` behind the fence of `held`'s claim, and records what it learns about
+    /// the lease.
+    pub(super) async fn fenced<T: Send + 'static>(
+        &self,
+        held: &Held,
+        write: impl FnOnce(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
+    ) -> Result<T, Error> {
+        if held.ownership.lost.load(Ordering::SeqCst) {
+            return Err(Error::OwnershipLost(held.claim.session_id));
+        }
+        let clock = self.store.clock().clone();
+        let lease = self.settings.lease_ms;
+        let claim = held.claim;
+        let result = self
+            .store
+            .write(move |c| {
+                let now = clock.now_ms();
+                execution::check(c, now, lease, &claim)?;
+                write(c, now).map(|value| (value, now))
+            })
+            .await;
+        match result {
+            Ok((value, now)) => {
+                held.ownership.deadline.store(now + lease, Ordering::SeqCst);
+                Ok(value)
+            }
+            Err(Error::OwnershipLost(session)) => {
+                held.ownership.lost.store(true, Ordering::SeqCst);
+                Err(Error::OwnershipLost(session))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Appends `events` to the log behind the fence of `held`'s claim, without publishing
+    /// them: for a caller that interleaves them with ephemeral events.
+    pub(super) async fn append(
+        &self,
+        held: &Held,
+        events: Vec<DurableEvent>,
+    ) -> Result<Vec<Envelope>, Error> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let session = held.claim.session_id;
+        self.fenced(held, move |c, now| {
+            log::append(c, now, session, events).map_err(Error::from)
+        })
+        .await
+    }
+
+    /// Commits `events` behind the fence of `held`'s claim, then publishes them live.
+    pub(super) async fn commit(
+        &self,
+        held: &Held,
+        events: Vec<DurableEvent>,
+    ) -> Result<Vec<Envelope>, Error> {
+        let envelopes = self.append(held, events).await?;
+        self.publish(&envelopes);
+        Ok(envelopes)
+    }
+
+    /// Publishes committed events to this process's live subscribers.
+    pub(super) fn publish(&self, envelopes: &[Envelope]) {
+        for envelope in envelopes {
+            self.live.publish(Live::Durable(envelope.clone()));
+        }
+    }
+
+    /// Publishes an ephemeral event, only while this process owns the execution.
+    pub(super) fn publish_ephemeral(&self, held: &Held, event: EphemeralEvent) {
+        if !self.owns(held) {
+            return;
+        }
+        self.live.publish(Live::Ephemeral(EphemeralEnvelope {
+            session_id: held.claim.session_id,
+            time: self.now(),
+            event,
+        }));
+    }
+}

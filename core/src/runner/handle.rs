@@ -1,0 +1,175 @@
+//! [`Runner`]: the handle the service uses to run sessions, cheap to clone.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use keel_schema::event::Envelope;
+use keel_schema::id::{OwnerId, RequestId, SessionId};
+use keel_schema::types::{Decision, Phase};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use super::engine::{Engine, lock};
+use super::{Error, Live, Settings, live};
+use crate::coordinator::{Coordinator, RunError, Scope};
+use crate::execution;
+use crate::store::{self, Store};
+
+/// Where a wake goes when another node holds the session's claim.
+pub trait Forwarder: Send + Sync {
+    /// `owner` holds `session`'s claim; tell it there is work.
+    fn forward_wake(&self, owner: OwnerId, session: SessionId);
+}
+
+/// A reply to a permission request or a question.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reply {
+    Permission(Decision),
+    Answer(String),
+    Dismiss,
+}
+
+/// The handle the service uses to run sessions.
+#[derive(Clone)]
+pub struct Runner {
+    coordinator: Coordinator<Engine>,
+}
+
+impl Runner {
+    pub fn new(store: Store, settings: Settings) -> Self {
+        Self {
+            coordinator: Coordinator::new(Engine::new(store, settings)),
+        }
+    }
+
+    fn engine(&self) -> &Arc<Engine> {
+        self.coordinator.work()
+    }
+
+    /// The store the runner writes to.
+    pub fn store(&self) -> &Store {
+        &self.engine().store
+    }
+
+    /// Live events, durable ones after their commit.
+    pub fn subscribe(&self) -> broadcast::Receiver<Live> {
+        self.engine().live.subscribe()
+    }
+
+    /// Live events of one session, serialized.
+    pub fn follow(&self, session: SessionId) -> broadcast::Receiver<Arc<live::Published>> {
+        self.engine().live.follow(session)
+    }
+
+    /// Forwards wakes for sessions another node holds through `forwarder` (set once).
+    pub fn forward_through(&self, forwarder: Arc<dyn Forwarder>) {
+        if self.engine().forwarder.set(forwarder).is_err() {
+            tracing::warn!("a forwarder was set twice; the first one stays");
+        }
+    }
+
+    /// Publishes events committed outside the runner (admission, renames) to this
+    /// process's live subscribers.
+    pub fn publish(&self, envelopes: &[Envelope]) {
+        self.engine().publish(envelopes);
+    }
+
+    /// Publishes events another node committed to this process's live subscribers.
+    pub fn publish_remote(&self, envelopes: &[Envelope]) {
+        for envelope in envelopes {
+            self.engine().live.publish(Live::Remote(envelope.clone()));
+        }
+    }
+
+    /// This process's owner id.
+    pub fn owner(&self) -> OwnerId {
+        self.engine().settings.owner
+    }
+
+    /// How many executions this process holds.
+    pub fn held(&self) -> usize {
+        lock(&self.engine().held).len()
+    }
+
+    /// Asks for a drain of the session (an advisory wake).
+    pub fn wake(&self, session: SessionId, scope: Scope) {
+        self.coordinator.wake(session, scope);
+    }
+
+    /// Runs (or joins) the session's execution and waits for its busy period to settle.
+    pub async fn run(&self, session: SessionId) -> Result<(), RunError<Error>> {
+        self.coordinator.run(session).await
+    }
+
+    /// Whether this process is running the session.
+    pub fn is_busy(&self, session: SessionId) -> bool {
+        self.coordinator.is_busy(&session)
+    }
+
+    /// Interrupts the session's execution: phase `cancelling` (fenced), then the runner's
+    /// cancellation. Returns before cleanup finishes; false when there was nothing to stop.
+    pub async fn interrupt(&self, session: SessionId) -> bool {
+        let engine = self.engine();
+        if let Some(held) = engine.held(session) {
+            let claim = held.claim;
+            let marked = engine
+                .fenced(&held, move |c, _| {
+                    execution::set_phase(c, &claim, Phase::Cancelling, None).map_err(Error::from)
+                })
+                .await;
+            if let Err(e) = marked {
+                tracing::warn!(%session, error = %e, "could not mark the execution cancelling");
+            }
+        }
+        self.coordinator.interrupt(&session)
+    }
+
+    /// Renews every lease this process holds, every third of the lease, until `shutdown`
+    /// is cancelled. A failed renewal is logged and retried at the next tick; the fence
+    /// keeps a lease that ran out meanwhile from being written through.
+    pub async fn renew_leases(&self, shutdown: CancellationToken) {
+        let engine = self.engine().clone();
+        let lease = engine.settings.lease_ms;
+        let period = std::time::Duration::from_millis(u64::try_from(lease / 3).unwrap_or(1).max(1));
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(period) => {}
+            }
+            let (owner, clock) = (engine.settings.owner, engine.store.clock().clone());
+            let renewed = engine
+                .store
+                .write(move |c| {
+                    let now = clock.now_ms();
+                    execution::renew_all(c, now, lease, owner)?;
+                    let live = execution::live_sessions(c, now, owner)?;
+                    Ok::<_, store::Error>((now, live))
+                })
+                .await;
+            match renewed {
+                Ok((now, live)) => {
+                    // Only claims the database still gives this owner get a later deadline.
+                    for (session, held) in lock(&engine.held).iter() {
+                        if live.contains(session) {
+                            held.ownership
+                                .deadline
+                                .fetch_max(now + lease, Ordering::SeqCst);
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "renewing leases failed"),
+            }
+        }
+    }
+
+    /// Delivers a reply to a waiting permission request or question. False when nothing
+    /// in this process waits for it.
+    pub fn reply(&self, request: RequestId, reply: Reply) -> bool {
+        let waiter = lock(&self.engine().waiting).remove(&request);
+        match waiter {
+            Some(waiter) => waiter.send(reply).is_ok(),
+            None => false,
+        }
+    }
+}

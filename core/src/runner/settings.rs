@@ -1,0 +1,73 @@
+//! What a runner is built from: its owner and lease, the agents, the providers, the
+//! tools and their limits, the retry policy and the models' limits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use keel_schema::id::OwnerId;
+
+use super::{ModelLimits, RetryPolicy};
+use crate::event::projector;
+use crate::provider::Provider;
+use crate::tool::{self, Registry};
+
+/// A tool's permission policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    #[default]
+    Allow,
+    /// Publish `permission.requested` and wait for a reply.
+    Ask,
+    Deny,
+}
+
+/// An agent: a system prompt, its tools' policies and a step limit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Agent {
+    pub system: String,
+    pub max_steps: u32,
+    /// Per tool; tools not named are allowed.
+    pub permissions: HashMap<String, Policy>,
+}
+
+impl Default for Agent {
+    fn default() -> Self {
+        Self {
+            system: "You are Keel's build agent, a careful software engineer. Use the tools to \
+                     inspect and change files in the session directory."
+                .into(),
+            max_steps: 50,
+            permissions: HashMap::new(),
+        }
+    }
+}
+
+/// Everything a runner needs.
+#[derive(Clone)]
+pub struct Settings {
+    pub owner: OwnerId,
+    pub lease_ms: i64,
+    pub agents: HashMap<String, Agent>,
+    /// Providers by the name models use (`provider/model`).
+    pub providers: HashMap<String, Arc<dyn Provider>>,
+    pub tools: Registry,
+    pub limits: tool::Limits,
+    /// How failed provider requests are retried.
+    pub retry: RetryPolicy,
+    /// Limits of the models that have them configured, by `provider/id`: the output
+    /// limit of each request and the threshold of automatic compaction. A model without
+    /// limits is never compacted automatically.
+    pub models: HashMap<String, ModelLimits>,
+}
+
+impl Settings {
+    /// Whether a step of a session with `info` may start in the boundary's transaction:
+    /// its agent and provider resolve (a step that cannot gets its error before
+    /// `step.started`), and its model has no limits (automatic compaction, which comes
+    /// before `step.started`, cannot be due).
+    pub(super) fn starts_directly(&self, info: &projector::SessionInfo) -> bool {
+        (info.agent == "build" || self.agents.contains_key(&info.agent))
+            && self.providers.contains_key(&info.model.provider)
+            && !self.models.contains_key(&info.model.to_string())
+    }
+}
