@@ -127,35 +127,41 @@ pub fn unregister(connection: &mut Conn, owner: OwnerId) -> Result<(), store::Er
 
 /// The nodes that heartbeat since `alive_since`, with the sessions each owns now.
 pub fn list(connection: &mut Conn, alive_since: i64) -> Result<Vec<api::Node>, store::Error> {
-    let rows: Vec<(String, String, i64, i64, i64)> = node::table
+    let rows: Vec<NodeRow> = node::table
         .filter(node::heartbeat_at.ge(alive_since))
         .order(node::started_at.asc())
-        .select((
-            node::owner_id,
-            node::host,
-            node::pid,
-            node::started_at,
-            node::heartbeat_at,
-        ))
+        .select(NodeRow::as_select())
         .load(connection)?;
     let owners: Vec<String> = session_execution::table
         .select(session_execution::owner_id)
         .load(connection)?;
     rows.into_iter()
-        .map(|(owner, host, pid, started_at, heartbeat_at)| {
-            let sessions = owners.iter().filter(|o| **o == owner).count();
+        .map(|row| {
+            let sessions = owners.iter().filter(|o| **o == row.owner_id).count();
             Ok(api::Node {
-                id: owner
+                id: row
+                    .owner_id
                     .parse()
-                    .map_err(|e| store::Error::Corrupt(format!("node id {owner}: {e}")))?,
-                host,
-                pid: u32::try_from(pid).unwrap_or(0),
-                started_at,
-                heartbeat_at,
+                    .map_err(|e| store::Error::Corrupt(format!("node id {}: {e}", row.owner_id)))?,
+                host: row.host,
+                pid: u32::try_from(row.pid).unwrap_or(0),
+                started_at: row.started_at,
+                heartbeat_at: row.heartbeat_at,
                 sessions: u32::try_from(sessions).unwrap_or(u32::MAX),
             })
         })
         .collect()
+}
+
+/// A row of `node`.
+#[derive(Debug, Queryable, Selectable)]
+#[diesel(table_name = node)]
+struct NodeRow {
+    owner_id: String,
+    host: String,
+    pid: i64,
+    started_at: i64,
+    heartbeat_at: i64,
 }
 
 /// Heartbeats `info` every third of a lease until `shutdown`, then unregisters it.
@@ -462,7 +468,7 @@ pub fn awaits_reply(
     session: SessionId,
     request: RequestId,
 ) -> Result<bool, store::Error> {
-    let rows: Vec<(String, String)> = event::table
+    let kinds: Vec<String> = event::table
         .filter(event::session_id.eq(session.to_string()))
         .filter(event::type_name.eq_any([
             "session.next.permission.requested",
@@ -472,13 +478,10 @@ pub fn awaits_reply(
             "session.next.question.dismissed",
         ]))
         .filter(event::data.like(format!("%{request}%")))
-        .select((event::type_name, event::data))
+        .select(event::type_name)
         .load(connection)?;
-    let asked = rows
-        .iter()
-        .any(|(kind, _)| kind.ends_with(".requested") || kind.ends_with(".asked"));
-    let answered = rows
-        .iter()
-        .any(|(kind, _)| !(kind.ends_with(".requested") || kind.ends_with(".asked")));
+    let is_ask = |kind: &String| kind.ends_with(".requested") || kind.ends_with(".asked");
+    let asked = kinds.iter().any(is_ask);
+    let answered = kinds.iter().any(|kind| !is_ask(kind));
     Ok(asked && !answered)
 }

@@ -23,8 +23,8 @@ use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{ExecutionId, MessageId, OwnerId, SessionId};
 use keel_schema::types::{ErrorInfo, Outcome, Phase};
 
-use crate::event::log::{self, db_int, from_db_int};
-use crate::event::projector::{parse_text, text_of};
+use crate::event::log;
+use crate::store::column::{db_int, from_db_int, parse_text, text_of};
 use crate::store::fixed::fixed_query;
 use crate::store::schema::session_execution;
 use crate::store::{self, Conn};
@@ -69,58 +69,57 @@ pub struct ClaimRow {
     pub recovery_error: Option<String>,
 }
 
-type Row = (
-    String,
-    String,
-    String,
-    Option<String>,
-    Option<i64>,
-    String,
-    i64,
-    i64,
-    Option<String>,
-);
+/// A row of `session_execution`, as stored.
+#[derive(Debug, Queryable, Selectable)]
+#[diesel(table_name = session_execution)]
+struct Row {
+    id: String,
+    session_id: String,
+    owner_id: String,
+    assistant_message_id: Option<String>,
+    assistant_seq: Option<i64>,
+    phase: String,
+    time_created: i64,
+    expires_at: i64,
+    recovery_error: Option<String>,
+}
 
-fn from_row(row: Row) -> Result<ClaimRow, store::Error> {
-    let (id, session_id, owner_id, assistant, assistant_seq, phase, created, expires, error) = row;
-    let corrupt = |what: &str, e: &dyn std::fmt::Display| {
-        store::Error::Corrupt(format!("claim {id} {what}: {e}"))
-    };
-    Ok(ClaimRow {
-        claim: Claim {
-            id: id.parse().map_err(|e| corrupt("id", &e))?,
-            session_id: session_id.parse().map_err(|e| corrupt("session", &e))?,
-            owner_id: owner_id.parse().map_err(|e| corrupt("owner", &e))?,
-        },
-        phase: parse_text("session_execution.phase", &phase)?,
-        assistant_message_id: assistant
-            .map(|a| a.parse().map_err(|e| corrupt("assistant", &e)))
-            .transpose()?,
-        assistant_seq: assistant_seq.map(from_db_int).transpose()?,
-        time_created: created,
-        expires_at: expires,
-        recovery_error: error,
-    })
+impl Row {
+    fn into_claim(self) -> Result<ClaimRow, store::Error> {
+        let corrupt = |what: &str, e: &dyn std::fmt::Display| {
+            store::Error::Corrupt(format!("claim {} {what}: {e}", self.id))
+        };
+        Ok(ClaimRow {
+            claim: Claim {
+                id: self.id.parse().map_err(|e| corrupt("id", &e))?,
+                session_id: self
+                    .session_id
+                    .parse()
+                    .map_err(|e| corrupt("session", &e))?,
+                owner_id: self.owner_id.parse().map_err(|e| corrupt("owner", &e))?,
+            },
+            phase: parse_text("session_execution.phase", &self.phase)?,
+            assistant_message_id: self
+                .assistant_message_id
+                .as_deref()
+                .map(|a| a.parse().map_err(|e| corrupt("assistant", &e)))
+                .transpose()?,
+            assistant_seq: self.assistant_seq.map(from_db_int).transpose()?,
+            time_created: self.time_created,
+            expires_at: self.expires_at,
+            recovery_error: self.recovery_error,
+        })
+    }
 }
 
 /// The session's claim, if any.
 pub fn get(connection: &mut Conn, session_id: SessionId) -> Result<Option<ClaimRow>, store::Error> {
     session_execution::table
         .filter(session_execution::session_id.eq(session_id.to_string()))
-        .select((
-            session_execution::id,
-            session_execution::session_id,
-            session_execution::owner_id,
-            session_execution::assistant_message_id,
-            session_execution::assistant_seq,
-            session_execution::phase,
-            session_execution::time_created,
-            session_execution::expires_at,
-            session_execution::recovery_error,
-        ))
-        .get_result::<Row>(connection)
+        .select(Row::as_select())
+        .get_result(connection)
         .optional()?
-        .map(from_row)
+        .map(Row::into_claim)
         .transpose()
 }
 

@@ -23,7 +23,7 @@ use keel_schema::id::{InputId, MessageId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, Part};
 
 use crate::event::log;
-use crate::event::projector::InputRow;
+use crate::event::view::InputRow;
 use crate::store::schema::session_input;
 use crate::store::{self, Conn};
 

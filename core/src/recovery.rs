@@ -34,9 +34,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::coordinator::Scope;
 use crate::event::log;
-use crate::event::projector::parse_text;
 use crate::inbox::{self, Admission};
 use crate::runner::Runner;
+use crate::store::column::parse_text;
 use crate::store::schema::{event, session_execution, session_input, session_message};
 use crate::store::{self, Conn, Store};
 
@@ -70,13 +70,21 @@ pub struct Report {
     pub recovered: Vec<SessionId>,
     /// Sessions whose abandoned execution failed: too many recoveries in a row.
     pub exhausted: Vec<SessionId>,
-    /// Claims set aside, with the reason.
-    pub quarantined: Vec<(String, String)>,
+    /// Claims set aside.
+    pub quarantined: Vec<Quarantined>,
     /// Sessions with pending, requested work and no claim, woken again.
     pub redriven: Vec<SessionId>,
     /// The pass found a full batch of expired claims: more may be waiting, so the next
     /// pass should start at once.
     pub backlog: bool,
+}
+
+/// A claim recovery set aside, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Quarantined {
+    /// The claim's id as stored (it may not even parse).
+    pub claim: String,
+    pub reason: String,
 }
 
 impl Report {
@@ -87,7 +95,8 @@ impl Report {
 
 /// A claim row as selected, before validation: plain text, so a corrupt row can still
 /// be named and quarantined.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Queryable, Selectable)]
+#[diesel(table_name = session_execution)]
 struct Candidate {
     id: String,
     session_id: String,
@@ -202,14 +211,14 @@ pub async fn settle_abandoned(
             Ok(Recovered::Moved) => {}
             Ok(Recovered::Quarantine(reason)) => {
                 tracing::error!(claim = %id, session = %candidate.session_id, %reason, "claim quarantined");
-                report.quarantined.push((id, reason));
+                report.quarantined.push(Quarantined { claim: id, reason });
             }
             Err(e) => {
                 // A row the database refuses to settle (a broken reference, say) must not
                 // hold the rest back; it is set aside with the reason.
                 let reason = format!("recovering failed: {e}");
                 if quarantine(store, &candidate, &reason).await? {
-                    report.quarantined.push((id, reason));
+                    report.quarantined.push(Quarantined { claim: id, reason });
                 }
             }
         }
@@ -219,7 +228,7 @@ pub async fn settle_abandoned(
 
 /// One batch of expired, unquarantined claims, in scan-index order.
 fn expired(connection: &mut Conn, now: i64) -> Result<Vec<Candidate>, store::Error> {
-    let rows: Vec<(String, String, String, Option<String>, String, i64)> = session_execution::table
+    Ok(session_execution::table
         .filter(session_execution::recovery_error.is_null())
         .filter(session_execution::expires_at.le(now))
         .order((
@@ -228,28 +237,8 @@ fn expired(connection: &mut Conn, now: i64) -> Result<Vec<Candidate>, store::Err
             session_execution::id.asc(),
         ))
         .limit(BATCH_SIZE)
-        .select((
-            session_execution::id,
-            session_execution::session_id,
-            session_execution::owner_id,
-            session_execution::assistant_message_id,
-            session_execution::phase,
-            session_execution::expires_at,
-        ))
-        .load(connection)?;
-    Ok(rows
-        .into_iter()
-        .map(
-            |(id, session_id, owner_id, assistant_message_id, phase, expires_at)| Candidate {
-                id,
-                session_id,
-                owner_id,
-                assistant_message_id,
-                phase,
-                expires_at,
-            },
-        )
-        .collect())
+        .select(Candidate::as_select())
+        .load(connection)?)
 }
 
 /// One batch of sessions with an input admitted with execution requested, still pending,
@@ -466,7 +455,7 @@ fn validate_assistant(
         }
         Some(_) => {}
     }
-    let messages = crate::event::projector::messages(connection, session)?;
+    let messages = crate::event::view::messages(connection, session)?;
     let latest = messages.iter().rev().find_map(|m| match m {
         keel_schema::api::Message::Assistant { id, end, .. } => Some((*id, end.is_none())),
         _ => None,

@@ -18,19 +18,10 @@ use keel_schema::event::{DurableEvent, Envelope, RawEvent};
 use keel_schema::id::{EventId, SessionId};
 
 use super::projector;
+use crate::store::column::{db_int, from_db_int};
 use crate::store::fixed::fixed_query;
 use crate::store::schema::{event, session};
 use crate::store::{Conn, Error, Store, load_at_most};
-
-/// Converts a seq or count to the database's integer.
-pub(crate) fn db_int(value: u64) -> Result<i64, Error> {
-    i64::try_from(value).map_err(|_| Error::Corrupt(format!("{value} does not fit a BIGINT")))
-}
-
-/// Converts a database integer back to a seq or count.
-pub(crate) fn from_db_int(value: i64) -> Result<u64, Error> {
-    u64::try_from(value).map_err(|_| Error::Corrupt(format!("negative seq or count {value}")))
-}
 
 /// Appends `events` to `session`'s log at time `now` and projects them.
 ///
@@ -153,8 +144,11 @@ pub fn import(connection: &mut Conn, envelopes: &[Envelope]) -> Result<(), Error
         let creates = matches!(envelope.event, DurableEvent::Created(_));
         let expected = match lock_session(connection, envelope.session_id)? {
             Some(_) if creates => return Err(Error::SessionExists(envelope.session_id)),
-            Some((_, Some(_))) => return Err(Error::SessionDeleted(envelope.session_id)),
-            Some((last_seq, None)) => last_seq + 1,
+            Some(LogHead {
+                deleted_at: Some(_),
+                ..
+            }) => return Err(Error::SessionDeleted(envelope.session_id)),
+            Some(LogHead { last_seq, .. }) => from_db_int(last_seq)? + 1,
             None if creates => 1,
             None => return Err(Error::SessionNotFound(envelope.session_id)),
         };
@@ -182,12 +176,17 @@ fn key(event: &DurableEvent) -> String {
     format!("{}.{}", event.type_name(), event.version())
 }
 
+/// Where a session's log stands: its last seq, and whether it was deleted.
+#[derive(Debug, Queryable, Selectable)]
+#[diesel(table_name = session)]
+struct LogHead {
+    last_seq: i64,
+    deleted_at: Option<i64>,
+}
+
 /// Locks the session row (a no-op update takes the row lock on PostgreSQL; SQLite's write
-/// transaction is already exclusive) and returns its `last_seq` and `deleted_at`.
-fn lock_session(
-    connection: &mut Conn,
-    session_id: SessionId,
-) -> Result<Option<(u64, Option<i64>)>, Error> {
+/// transaction is already exclusive) and returns where its log stands.
+fn lock_session(connection: &mut Conn, session_id: SessionId) -> Result<Option<LogHead>, Error> {
     let id = session_id.to_string();
     let locked = diesel::update(session::table.find(&id))
         .set(session::last_seq.eq(session::last_seq))
@@ -195,11 +194,12 @@ fn lock_session(
     if locked == 0 {
         return Ok(None);
     }
-    let (last_seq, deleted_at) = session::table
-        .find(&id)
-        .select((session::last_seq, session::deleted_at))
-        .get_result::<(i64, Option<i64>)>(connection)?;
-    Ok(Some((from_db_int(last_seq)?, deleted_at)))
+    Ok(Some(
+        session::table
+            .find(&id)
+            .select(LogHead::as_select())
+            .get_result(connection)?,
+    ))
 }
 
 fn set_last_seq(
@@ -264,22 +264,40 @@ fn id_exists(connection: &mut Conn, id: EventId) -> Result<bool, Error> {
     Ok(count > 0)
 }
 
-type EventRow = (String, i64, String, String, i32, String, i64);
+/// A row of `event`, as stored.
+#[derive(Debug, Queryable, Selectable)]
+#[diesel(table_name = event)]
+struct EventRow {
+    session_id: String,
+    seq: i64,
+    id: String,
+    type_name: String,
+    version: i32,
+    data: String,
+    time: i64,
+}
 
-fn raw_from_row(row: EventRow) -> Result<RawEvent, Error> {
-    let (session_id, seq, id, type_name, version, data, time) = row;
-    let corrupt = |what: &str, e: &dyn std::fmt::Display| {
-        Error::Corrupt(format!("event {session_id}#{seq}: {what}: {e}"))
-    };
-    Ok(RawEvent {
-        id: id.parse().map_err(|e| corrupt("id", &e))?,
-        session_id: session_id.parse().map_err(|e| corrupt("session id", &e))?,
-        seq: from_db_int(seq)?,
-        type_name,
-        version: u32::try_from(version).map_err(|e| corrupt("version", &e))?,
-        time,
-        data: serde_json::from_str(&data).map_err(|e| corrupt("data is not JSON", &e))?,
-    })
+impl EventRow {
+    fn into_raw(self) -> Result<RawEvent, Error> {
+        let corrupt = |what: &str, e: &dyn std::fmt::Display| {
+            Error::Corrupt(format!(
+                "event {}#{}: {what}: {e}",
+                self.session_id, self.seq
+            ))
+        };
+        Ok(RawEvent {
+            id: self.id.parse().map_err(|e| corrupt("id", &e))?,
+            session_id: self
+                .session_id
+                .parse()
+                .map_err(|e| corrupt("session id", &e))?,
+            seq: from_db_int(self.seq)?,
+            version: u32::try_from(self.version).map_err(|e| corrupt("version", &e))?,
+            data: serde_json::from_str(&self.data).map_err(|e| corrupt("data is not JSON", &e))?,
+            type_name: self.type_name,
+            time: self.time,
+        })
+    }
 }
 
 /// The session's events with seq greater than `after`, at most `limit`, as stored.
@@ -293,18 +311,10 @@ pub fn read_raw(
         .filter(event::session_id.eq(session_id.to_string()))
         .filter(event::seq.gt(db_int(after)?))
         .order(event::seq.asc())
-        .select((
-            event::session_id,
-            event::seq,
-            event::id,
-            event::type_name,
-            event::version,
-            event::data,
-            event::time,
-        ));
+        .select(EventRow::as_select());
     let limit = usize::try_from(limit).unwrap_or(usize::MAX);
     let rows: Vec<EventRow> = load_at_most(connection, query, limit)?;
-    rows.into_iter().map(raw_from_row).collect()
+    rows.into_iter().map(EventRow::into_raw).collect()
 }
 
 /// The session's events with seq greater than `after`, at most `limit`, decoded into the

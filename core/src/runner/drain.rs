@@ -16,7 +16,7 @@ use super::fence::Held;
 use super::{Engine, Error, compaction, step};
 use crate::coordinator::Request;
 use crate::event::log;
-use crate::event::projector::{self, Transcript};
+use crate::event::view::{self, Transcript};
 use crate::inbox::{self, Boundary, Promotion};
 
 impl Engine {
@@ -55,7 +55,7 @@ impl Engine {
                     };
                     let promotion = inbox::promote_into(c, now, session, boundary, &mut written)?;
                     transcript.refresh(c, session)?;
-                    let info = projector::session_info(c, session)?;
+                    let info = view::session_info(c, session)?;
                     let next = next_step(
                         &promotion,
                         boundary,

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::fence::{Held, Ownership};
 use super::{Agent, Error, Forwarder, Reply, Settings, live};
 use crate::coordinator::{BoxFuture, Request, Work};
-use crate::event::{log, projector};
+use crate::event::{log, view};
 use crate::execution;
 use crate::provider::ToolSpec;
 use crate::store::Store;
@@ -72,16 +72,16 @@ impl Engine {
     pub(super) async fn session_info(
         &self,
         session: SessionId,
-    ) -> Result<projector::SessionInfo, Error> {
+    ) -> Result<view::SessionInfo, Error> {
         self.store
-            .read(move |c| projector::session_info(c, session).map_err(Error::from))
+            .read(move |c| view::session_info(c, session).map_err(Error::from))
             .await?
             .ok_or_else(|| Error::Config(format!("no session {session}")))
     }
 
     pub(super) async fn messages(&self, session: SessionId) -> Result<Vec<Message>, Error> {
         self.store
-            .read(move |c| projector::messages(c, session).map_err(Error::from))
+            .read(move |c| view::messages(c, session).map_err(Error::from))
             .await
     }
 
@@ -211,7 +211,7 @@ impl Work for Engine {
                     let mut envelopes = Vec::new();
                     let row = execution::get(c, session)?;
                     if let Some(assistant) = row.and_then(|r| r.assistant_message_id) {
-                        let open = projector::messages(c, session)?.into_iter().any(|m| {
+                        let open = view::messages(c, session)?.into_iter().any(|m| {
                             matches!(m, Message::Assistant { id, end: None, .. } if id == assistant)
                         });
                         if open {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use keel_schema::id::OwnerId;
 
 use super::{ModelLimits, RetryPolicy};
-use crate::event::projector;
+use crate::event::view;
 use crate::provider::Provider;
 use crate::tool::{self, Registry};
 
@@ -65,7 +65,7 @@ impl Settings {
     /// its agent and provider resolve (a step that cannot gets its error before
     /// `step.started`), and its model has no limits (automatic compaction, which comes
     /// before `step.started`, cannot be due).
-    pub(super) fn starts_directly(&self, info: &projector::SessionInfo) -> bool {
+    pub(super) fn starts_directly(&self, info: &view::SessionInfo) -> bool {
         (info.agent == "build" || self.agents.contains_key(&info.agent))
             && self.providers.contains_key(&info.model.provider)
             && !self.models.contains_key(&info.model.to_string())

@@ -45,7 +45,7 @@ use super::fence::Held;
 use super::tools::{Done, QUESTION, result_event};
 use super::translate::{Translator, coalesce};
 use super::{Agent, Engine, Error, context};
-use crate::event::projector;
+use crate::event::view;
 use crate::execution;
 use crate::provider::{self, Event, EventStream, Provider, ToolChoice};
 
@@ -73,7 +73,7 @@ pub(super) fn start_step(
     connection: &mut crate::store::Conn,
     now: i64,
     claim: &execution::Claim,
-    info: &projector::SessionInfo,
+    info: &view::SessionInfo,
     number: u32,
 ) -> Result<((MessageId, u64), Vec<keel_schema::event::Envelope>), Error> {
     let assistant = MessageId::new();
@@ -203,7 +203,7 @@ impl Engine {
         held: &Held,
         number: u32,
         messages: &[Message],
-        info: projector::SessionInfo,
+        info: view::SessionInfo,
         started: Option<(MessageId, u64)>,
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
@@ -246,7 +246,7 @@ impl Engine {
             let error = error.clone();
             let written = self
                 .fenced(held, move |c, now| {
-                    let open = projector::unresolved_tools(c, session, assistant)?;
+                    let open = view::unresolved_tools(c, session, assistant)?;
                     let mut events: Vec<DurableEvent> = open
                         .into_iter()
                         .map(|call_id| {
@@ -290,7 +290,7 @@ impl<'a> Step<'a> {
         held: &'a Held,
         number: u32,
         messages: &[Message],
-        info: projector::SessionInfo,
+        info: view::SessionInfo,
         started: Option<(MessageId, u64)>,
         cancel: &'a CancellationToken,
     ) -> Result<Self, Error> {

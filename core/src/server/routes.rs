@@ -17,7 +17,7 @@ use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef};
 use super::{ApiError, AppState};
 use crate::cluster;
 use crate::coordinator::Scope;
-use crate::event::{log, projector};
+use crate::event::{log, view};
 use crate::execution;
 use crate::inbox::{self, Admission, Admitted};
 use crate::runner::Reply;
@@ -47,7 +47,7 @@ fn ids(
 async fn existing(state: &AppState, id: SessionId) -> Result<Session> {
     state
         .store
-        .read(move |c| projector::session(c, id))
+        .read(move |c| view::session(c, id))
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no session {id}")))
 }
@@ -146,7 +146,7 @@ pub async fn list_sessions(
         .map_err(|e| ApiError::bad_request(format!("cursor: {e}")))?;
     let mut items = state
         .store
-        .read(move |c| projector::sessions(c, cursor, limit + 1))
+        .read(move |c| view::sessions(c, cursor, limit + 1))
         .await?;
     let next_cursor = if items.len() > limit as usize {
         items.truncate(limit as usize);
@@ -222,7 +222,7 @@ pub async fn session_status(
     let (claim, pending) = state
         .store
         .read(move |c| {
-            Ok::<_, store::Error>((execution::get(c, id)?, projector::pending_inputs(c, id)?))
+            Ok::<_, store::Error>((execution::get(c, id)?, view::pending_inputs(c, id)?))
         })
         .await?;
     Ok(Json(SessionStatus {
@@ -452,10 +452,7 @@ pub async fn messages(
 ) -> Result<Json<MessageList>> {
     let id = session_id(path)?;
     existing(&state, id).await?;
-    let items = state
-        .store
-        .read(move |c| projector::messages(c, id))
-        .await?;
+    let items = state.store.read(move |c| view::messages(c, id)).await?;
     Ok(Json(MessageList { items }))
 }
 

@@ -16,6 +16,7 @@
 //!   new database at once do not both migrate; a database migrated by a newer Keel is
 //!   refused.
 
+pub(crate) mod column;
 mod conn;
 pub(crate) mod fixed;
 mod migrate;

@@ -43,7 +43,7 @@ async fn interrupting_a_running_tool_fails_it_durably_with_exactly_one_step_inte
     assert_eq!(settled.outcome, Outcome::Interrupted);
     let tools = h
         .store
-        .read(move |c| keel_core::event::projector::messages(c, session))
+        .read(move |c| keel_core::event::view::messages(c, session))
         .await
         .unwrap();
     let text = format!("{tools:?}");

@@ -341,7 +341,7 @@ async fn a_manual_compaction_summarises_the_history_for_later_turns() {
     );
     let messages = h
         .store
-        .read(move |c| keel_core::event::projector::messages(c, session))
+        .read(move |c| keel_core::event::view::messages(c, session))
         .await
         .unwrap();
     assert!(matches!(messages.last(), Some(Message::Summary { .. })));

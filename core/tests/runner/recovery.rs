@@ -128,7 +128,7 @@ async fn an_abandoned_execution_is_recovered_once_and_continued_by_another_owner
     // The tool that was running is failed, not run again, and the model was told.
     let messages = h
         .store
-        .read(move |c| keel_core::event::projector::messages(c, session))
+        .read(move |c| keel_core::event::view::messages(c, session))
         .await
         .unwrap();
     let failed = messages
@@ -308,7 +308,11 @@ async fn an_unknown_phase_or_a_superseded_assistant_is_quarantined() {
     assert_eq!(report.quarantined.len(), 2, "{report:?}");
     let superseded = recovery_error(&h, session).await.unwrap();
     assert!(superseded.contains("superseded"), "{superseded}");
-    let reasons: Vec<&str> = report.quarantined.iter().map(|(_, r)| r.as_str()).collect();
+    let reasons: Vec<&str> = report
+        .quarantined
+        .iter()
+        .map(|q| q.reason.as_str())
+        .collect();
     assert!(
         reasons.iter().any(|r| r.contains("unknown phase")),
         "{reasons:?}"

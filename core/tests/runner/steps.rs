@@ -81,7 +81,7 @@ async fn a_tool_driven_continuation_sends_the_results_back_to_the_model() {
     );
     let messages = h
         .store
-        .read(move |c| keel_core::event::projector::messages(c, session))
+        .read(move |c| keel_core::event::view::messages(c, session))
         .await
         .unwrap();
     assert!(matches!(messages.last(), Some(Message::Assistant { .. })));

@@ -241,7 +241,7 @@ pub struct Rows {
     pub session: Vec<SessionRow>,
     pub messages: Vec<(String, i64, String, serde_json::Value)>,
     pub tools: Vec<ToolRow>,
-    pub inputs: Vec<keel_core::event::projector::InputRow>,
+    pub inputs: Vec<keel_core::event::view::InputRow>,
 }
 
 pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
@@ -303,7 +303,7 @@ pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
     let inputs = session_input::table
         .filter(session_input::session_id.eq(&id))
         .order(session_input::admitted_seq)
-        .select(keel_core::event::projector::InputRow::as_select())
+        .select(keel_core::event::view::InputRow::as_select())
         .load(connection)
         .unwrap();
     Rows {

@@ -1,8 +1,7 @@
 //! Projections: the transcript, tools resolved exactly once, usage totals.
 
-use keel_core::event::projector::{
-    self, ToolOutput, Transcript, crashed_tool_error, interrupted_tool_error,
-};
+use keel_core::event::projector::{ToolOutput, crashed_tool_error, interrupted_tool_error};
+use keel_core::event::view::{self, Transcript};
 use keel_core::store::{Error, Store};
 use keel_schema::api::{AssistantPart, Message, StepEnd, ToolStatus};
 use keel_schema::event::{DurableEvent, payload};
@@ -415,7 +414,7 @@ async fn a_held_transcript_reads_only_what_changed_and_matches_a_full_read(db: T
         let ((read, refreshed), full) = store
             .read(move |c| {
                 let read = held.refresh(c, session)?;
-                let full = projector::messages(c, session)?;
+                let full = view::messages(c, session)?;
                 Ok::<_, Error>(((read, held), full))
             })
             .await

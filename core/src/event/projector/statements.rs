@@ -1,0 +1,119 @@
+//! The projections' statements, each prepared once per connection (see
+//! [`crate::store::fixed`]). Every event projects through one or two of them.
+
+use diesel::sql_types::{BigInt, Bool, Double, Nullable, Text};
+
+use crate::store::fixed::fixed_query;
+
+fixed_query! {
+    /// How every event of a step stores its assistant message: the hottest statement of
+    /// the projector.
+    pub(super) struct SetMessageData<'a> { id: &'a str, data: &'a str, seq: i64 }
+    sql r#"UPDATE "session_message" SET "data" = "# {data: Text}
+        r#", "updated_seq" = "# {seq: BigInt} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    pub(super) struct InsertMessage<'a> { id: &'a str, session_id: &'a str, seq: i64, role: &'a str, data: &'a str }
+    sql r#"INSERT INTO "session_message" ("id", "session_id", "seq", "role", "data", "updated_seq") VALUES ("#
+        {id: Text} ", " {session_id: Text} ", " {seq: BigInt} ", " {role: Text} ", "
+        {data: Text} ", " {seq: BigInt} ")"
+}
+
+fixed_query! {
+    pub(super) struct SetTitle<'a> { id: &'a str, title: &'a str }
+    sql r#"UPDATE "session" SET "title" = "# {title: Text} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    pub(super) struct SetAgent<'a> { id: &'a str, agent: &'a str }
+    sql r#"UPDATE "session" SET "agent" = "# {agent: Text} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    pub(super) struct SetModel<'a> { id: &'a str, provider: &'a str, model: &'a str }
+    sql r#"UPDATE "session" SET "model_provider" = "# {provider: Text}
+        r#", "model_id" = "# {model: Text} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    pub(super) struct SetDeleted<'a> { id: &'a str, at: i64 }
+    sql r#"UPDATE "session" SET "deleted_at" = "# {at: BigInt} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    /// Adds a step's usage and cost to the session's totals.
+    pub(super) struct AddUsage<'a> {
+        id: &'a str,
+        input: i64,
+        output: i64,
+        reasoning: i64,
+        cache_read: i64,
+        cache_write: i64,
+        cost: f64,
+    }
+    sql r#"UPDATE "session" SET "usage_input" = "usage_input" + "# {input: BigInt}
+        r#", "usage_output" = "usage_output" + "# {output: BigInt}
+        r#", "usage_reasoning" = "usage_reasoning" + "# {reasoning: BigInt}
+        r#", "usage_cache_read" = "usage_cache_read" + "# {cache_read: BigInt}
+        r#", "usage_cache_write" = "usage_cache_write" + "# {cache_write: BigInt}
+        r#", "cost" = "cost" + "# {cost: Double} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    pub(super) struct RequestExecution<'a> { id: &'a str }
+    sql r#"UPDATE "session_input" SET "execution_requested" = TRUE WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    pub(super) struct CancelInput<'a> { id: &'a str, seq: i64 }
+    sql r#"UPDATE "session_input" SET "cancelled_seq" = "# {seq: BigInt}
+        r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    /// Promotes an input: a prompt with the message it became, a control input without.
+    pub(super) struct PromoteInput<'a> { id: &'a str, seq: i64, message_id: Option<&'a str> }
+    sql r#"UPDATE "session_input" SET "promoted_seq" = "# {seq: BigInt}
+        r#", "message_id" = "# {message_id: Nullable<Text>} r#" WHERE "id" = "# {id: Text}
+}
+
+fixed_query! {
+    /// A tool call's row, when its input starts streaming (pending) or it is called.
+    pub(super) struct InsertTool<'a> {
+        session_id: &'a str,
+        call_id: &'a str,
+        message_id: &'a str,
+        name: &'a str,
+        effect: Option<&'a str>,
+        status: &'a str,
+        provider_executed: bool,
+        input: Option<&'a str>,
+    }
+    sql r#"INSERT INTO "session_tool" ("session_id", "call_id", "message_id", "name", "effect", "status", "provider_executed", "input") VALUES ("#
+        {session_id: Text} ", " {call_id: Text} ", " {message_id: Text} ", " {name: Text} ", "
+        {effect: Nullable<Text>} ", " {status: Text} ", " {provider_executed: Bool} ", "
+        {input: Nullable<Text>} ")"
+}
+
+fixed_query! {
+    /// A streamed call, called: its row gets the parsed input.
+    pub(super) struct CallTool<'a> {
+        session_id: &'a str,
+        call_id: &'a str,
+        name: &'a str,
+        effect: &'a str,
+        provider_executed: bool,
+        input: &'a str,
+    }
+    sql r#"UPDATE "session_tool" SET "name" = "# {name: Text} r#", "effect" = "# {effect: Text}
+        r#", "status" = 'running', "provider_executed" = "# {provider_executed: Bool}
+        r#", "input" = "# {input: Text}
+        r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+}
+
+fixed_query! {
+    pub(super) struct ResolveTool<'a> { session_id: &'a str, call_id: &'a str, status: &'a str, output: &'a str }
+    sql r#"UPDATE "session_tool" SET "status" = "# {status: Text} r#", "output" = "# {output: Text}
+        r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+}
