@@ -162,6 +162,22 @@ async fn bad_requests_get_the_documented_errors_and_change_nothing() {
             404,
         ),
         (http.get(url("/api/session/not-an-id")), 400),
+        (http.get(url("/api/session/not-an-id/log")), 400),
+        // The session is looked up before the body is read: unknown beats malformed.
+        (
+            http.post(url("/api/session/ses_01KBFVGY400000000000000001/prompt"))
+                .header("content-type", "application/json")
+                .body("{bad"),
+            404,
+        ),
+        (
+            http.post(url(
+                "/api/session/ses_01KBFVGY400000000000000001/permission/not-a-request",
+            ))
+            .header("content-type", "application/json")
+            .body(r#"{"decision": "once"}"#),
+            404,
+        ),
         (http.get(url("/api/nowhere")), 404),
         (
             http.post(url("/api/session"))

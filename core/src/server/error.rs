@@ -1,7 +1,7 @@
 //! API errors: `{"error": {"type", "message"}}` with the status of their type.
 
 use axum::Json;
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use keel_schema::api::{ErrorBody, ErrorDetail, ErrorType};
@@ -92,12 +92,6 @@ impl From<JsonRejection> for ApiError {
             }
             other => Self::bad_request(other.body_text()),
         }
-    }
-}
-
-impl From<PathRejection> for ApiError {
-    fn from(e: PathRejection) -> Self {
-        Self::bad_request(e.body_text())
     }
 }
 

@@ -2,6 +2,7 @@
 //! token, body limit, and errors as `{"error": {"type", "message"}}`.
 
 mod error;
+mod extract;
 mod routes;
 mod sse;
 

@@ -1,8 +1,8 @@
 //! The JSON routes.
 
 use axum::Json;
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use keel_schema::api::{
@@ -14,6 +14,7 @@ use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{OwnerId, RequestId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef};
 
+use super::extract::{ExistingSession, RequestPath, existing};
 use super::{ApiError, AppState};
 use crate::cluster;
 use crate::coordinator::Scope;
@@ -24,33 +25,6 @@ use crate::runner::Reply;
 use crate::store;
 
 type Result<T> = std::result::Result<T, ApiError>;
-
-fn session_id(path: std::result::Result<Path<String>, PathRejection>) -> Result<SessionId> {
-    let Path(id) = path?;
-    id.parse()
-        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))
-}
-
-fn ids(
-    path: std::result::Result<Path<(String, String)>, PathRejection>,
-) -> Result<(SessionId, RequestId)> {
-    let Path((session, request)) = path?;
-    let session = session
-        .parse()
-        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))?;
-    let request = request
-        .parse()
-        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))?;
-    Ok((session, request))
-}
-
-async fn existing(state: &AppState, id: SessionId) -> Result<Session> {
-    state
-        .store
-        .read(move |c| view::session(c, id))
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("no session {id}")))
-}
 
 pub async fn health() -> Json<Health> {
     Json(Health {
@@ -157,22 +131,17 @@ pub async fn list_sessions(
     Ok(Json(SessionList { items, next_cursor }))
 }
 
-pub async fn get_session(
-    State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
-) -> Result<Json<Session>> {
-    let id = session_id(path)?;
-    Ok(Json(existing(&state, id).await?))
+pub async fn get_session(ExistingSession(session): ExistingSession) -> Json<Session> {
+    Json(session)
 }
 
 pub async fn update_session(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
     body: std::result::Result<Json<UpdateSession>, JsonRejection>,
 ) -> Result<Json<Session>> {
-    let id = session_id(path)?;
+    let id = session.id;
     let Json(body) = body?;
-    existing(&state, id).await?;
     let mut events = Vec::new();
     if let Some(title) = body.title {
         events.push(DurableEvent::Renamed(payload::Renamed { title }));
@@ -194,10 +163,9 @@ pub async fn update_session(
 
 pub async fn delete_session(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
 ) -> Result<StatusCode> {
-    let id = session_id(path)?;
-    existing(&state, id).await?;
+    let id = session.id;
     let claimed = state.store.read(move |c| claim_holder(c, id)).await?;
     if state.runner.is_busy(id) || claimed.is_some() {
         return Err(ApiError::new(
@@ -215,17 +183,20 @@ pub async fn delete_session(
 
 pub async fn session_status(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
 ) -> Result<Json<SessionStatus>> {
-    let id = session_id(path)?;
-    existing(&state, id).await?;
+    status(&state, session.id).await.map(Json)
+}
+
+/// Whether the session is busy, with its claim, and how many inputs wait.
+async fn status(state: &AppState, id: SessionId) -> Result<SessionStatus> {
     let (claim, pending) = state
         .store
         .read(move |c| {
             Ok::<_, store::Error>((execution::get(c, id)?, view::pending_inputs(c, id)?))
         })
         .await?;
-    Ok(Json(SessionStatus {
+    Ok(SessionStatus {
         busy: claim.is_some(),
         execution: claim.map(|row| ExecutionStatus {
             id: row.claim.id,
@@ -235,7 +206,7 @@ pub async fn session_status(
             recovery_error: row.recovery_error,
         }),
         pending_inputs: pending,
-    }))
+    })
 }
 
 /// Admits an input, publishes what was written, and wakes the session when asked.
@@ -268,15 +239,13 @@ async fn admit(state: &AppState, id: SessionId, admission: Admission) -> Result<
 
 pub async fn prompt(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
     body: std::result::Result<Json<PromptRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<PromptResponse>)> {
-    let id = session_id(path)?;
     let Json(body) = body?;
-    existing(&state, id).await?;
     let admitted = admit(
         &state,
-        id,
+        session.id,
         Admission {
             id: body.id,
             kind: InputKind::Prompt,
@@ -298,13 +267,11 @@ pub async fn prompt(
 
 pub async fn compact(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
 ) -> Result<(StatusCode, Json<PromptResponse>)> {
-    let id = session_id(path)?;
-    existing(&state, id).await?;
     let admitted = admit(
         &state,
-        id,
+        session.id,
         Admission {
             id: None,
             kind: InputKind::Compact,
@@ -326,10 +293,9 @@ pub async fn compact(
 
 pub async fn interrupt(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
 ) -> Result<Json<InterruptResponse>> {
-    let id = session_id(path)?;
-    existing(&state, id).await?;
+    let id = session.id;
     if state.runner.interrupt(id).await {
         return Ok(Json(InterruptResponse { interrupted: true }));
     }
@@ -353,18 +319,16 @@ pub async fn interrupt(
 
 pub async fn resume(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
 ) -> Result<(StatusCode, Json<SessionStatus>)> {
-    let id = session_id(path)?;
-    existing(&state, id).await?;
+    let id = session.id;
     let runner = state.runner.clone();
     tokio::spawn(async move {
         if let Err(e) = runner.run(id).await {
             tracing::warn!(session = %id, error = %e, "resumed execution ended with an error");
         }
     });
-    let Json(status) = session_status(State(state), Ok(Path(id.to_string()))).await?;
-    Ok((StatusCode::ACCEPTED, Json(status)))
+    Ok((StatusCode::ACCEPTED, Json(status(&state, id).await?)))
 }
 
 /// The owner of the session's claim, whichever node it is.
@@ -416,23 +380,21 @@ async fn delivered(
 
 pub async fn reply_permission(
     State(state): State<AppState>,
-    path: std::result::Result<Path<(String, String)>, PathRejection>,
+    ExistingSession(session): ExistingSession,
+    RequestPath(request): RequestPath,
     body: std::result::Result<Json<PermissionReply>, JsonRejection>,
 ) -> Result<Json<Accepted>> {
-    let (id, request) = ids(path)?;
     let Json(body) = body?;
-    existing(&state, id).await?;
-    delivered(&state, id, request, Reply::Permission(body.decision)).await
+    delivered(&state, session.id, request, Reply::Permission(body.decision)).await
 }
 
 pub async fn reply_question(
     State(state): State<AppState>,
-    path: std::result::Result<Path<(String, String)>, PathRejection>,
+    ExistingSession(session): ExistingSession,
+    RequestPath(request): RequestPath,
     body: std::result::Result<Json<QuestionReply>, JsonRejection>,
 ) -> Result<Json<Accepted>> {
-    let (id, request) = ids(path)?;
     let Json(body) = body?;
-    existing(&state, id).await?;
     let reply = match body {
         QuestionReply::Answer { answer } => Reply::Answer(answer),
         QuestionReply::Dismiss { dismiss: true } => Reply::Dismiss,
@@ -443,15 +405,14 @@ pub async fn reply_question(
             ));
         }
     };
-    delivered(&state, id, request, reply).await
+    delivered(&state, session.id, request, reply).await
 }
 
 pub async fn messages(
     State(state): State<AppState>,
-    path: std::result::Result<Path<String>, PathRejection>,
+    ExistingSession(session): ExistingSession,
 ) -> Result<Json<MessageList>> {
-    let id = session_id(path)?;
-    existing(&state, id).await?;
+    let id = session.id;
     let items = state.store.read(move |c| view::messages(c, id)).await?;
     Ok(Json(MessageList { items }))
 }

@@ -13,15 +13,15 @@
 
 use std::convert::Infallible;
 
-use axum::extract::rejection::{PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use keel_schema::api::{Lagged, LaggedType, LogQuery, Synced, SyncedType};
 use keel_schema::event::Envelope;
-use keel_schema::id::SessionId;
 use tokio::sync::{broadcast, mpsc};
 
+use super::extract::SessionPath;
 use super::{ApiError, AppState};
 use crate::runner::Live;
 use crate::runner::live::envelope_json;
@@ -47,14 +47,10 @@ fn durable(envelope: &Envelope) -> Option<Event> {
 
 pub async fn session_log(
     State(state): State<AppState>,
-    path: Result<Path<String>, PathRejection>,
+    SessionPath(id): SessionPath,
     query: Result<Query<LogQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Events, ApiError> {
-    let Path(id) = path?;
-    let id: SessionId = id
-        .parse()
-        .map_err(|e: keel_schema::id::ParseIdError| ApiError::bad_request(e.to_string()))?;
     let Query(query) = query?;
     let ephemeral = match query.include.as_deref() {
         None => false,
