@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, payload};
-use keel_schema::id::{RequestId, SessionId};
-use keel_schema::types::{ErrorInfo, InterruptReason, Outcome};
+use keel_schema::id::{MessageId, RequestId, SessionId};
+use keel_schema::types::{ErrorInfo, InterruptReason, ModelRef, Outcome};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
@@ -21,7 +21,7 @@ use super::{Agent, Error, Forwarder, Reply, Settings, live};
 use crate::coordinator::{BoxFuture, Request, Work};
 use crate::event::{log, view};
 use crate::execution;
-use crate::provider::ToolSpec;
+use crate::provider::{Provider, ToolSpec};
 use crate::store::Store;
 
 /// The coordinator's work for sessions.
@@ -123,6 +123,63 @@ impl Engine {
                     tracing::warn!(session = %claim.session_id, error = %cause, attempt, "releasing the claim failed; retrying");
                 }
                 Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The adapter that serves `model`.
+    pub(super) fn provider(&self, model: &ModelRef) -> Result<Arc<dyn Provider>, Error> {
+        self.settings
+            .providers
+            .get(&model.provider)
+            .cloned()
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "no provider `{}` is configured (model {model})",
+                    model.provider
+                ))
+            })
+    }
+
+    /// Fails a step that broke off: every unresolved call, then `step.failed`, in one
+    /// fenced transaction, retried a few times.
+    pub(super) async fn fail_step(&self, held: &Held, assistant: MessageId, cause: &Error) {
+        let session = held.claim.session_id;
+        let error = ErrorInfo::new("execution.failed", cause.to_string());
+        for attempt in 0..4 {
+            let error = error.clone();
+            let written = self
+                .fenced(held, move |c, now| {
+                    let open = view::unresolved_tools(c, session, assistant)?;
+                    let mut events: Vec<DurableEvent> = open
+                        .into_iter()
+                        .map(|call_id| {
+                            DurableEvent::ToolFailed(payload::ToolFailed {
+                                call_id,
+                                error: ErrorInfo::new(
+                                    "tool.step-failed",
+                                    "the step failed before this call's result was recorded",
+                                ),
+                            })
+                        })
+                        .collect();
+                    events.push(DurableEvent::StepFailed(payload::StepFailed {
+                        assistant_message_id: assistant,
+                        error,
+                        usage: None,
+                    }));
+                    crate::event::log::append(c, now, session, events).map_err(Error::from)
+                })
+                .await;
+            match written {
+                Ok(envelopes) => {
+                    self.publish(&envelopes);
+                    return;
+                }
+                Err(Error::OwnershipLost(_)) => return,
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, attempt, "failing the broken step failed");
+                }
             }
         }
     }

@@ -12,6 +12,7 @@
 //!   cleanup and release, and the state every part shares;
 //! - `drain`: the boundaries and the loop of steps;
 //! - `step`: one step as a state machine: the provider's response, the calls it made;
+//! - `burst`: what the stream has ready, committed together and published in order;
 //! - `translate`: provider events into Keel's events, under the fragment rules;
 //! - `tools`: a step's local calls: permissions, questions, starting tools, results;
 //! - `retry`, `compaction`: what a step does when the provider refuses before output;
@@ -20,6 +21,7 @@
 //! - `live`: the hub that fans published events out to subscribers;
 //! - `settings`, `error`: what a runner is built from, and how a drain fails.
 
+mod burst;
 mod compaction;
 mod context;
 mod drain;

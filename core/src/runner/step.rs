@@ -13,7 +13,7 @@
 //! joined, [`Step::end`] writes or hands back the step's end.
 //!
 //! Rules kept here: whatever the stream has ready goes out together, its durable events in
-//! one fenced write, then everything live in order ([`Burst`]); local calls start only
+//! one fenced write, then everything live in order ([`super::burst`]); local calls start only
 //! after their `tool.called` commits, run concurrently, and are all joined before the step
 //! ends, the result of the last one held for the step's end; a hosted call left unresolved
 //! at the end of the stream fails ([`super::translate`]). Each step ends in exactly one of
@@ -32,18 +32,17 @@ use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use keel_schema::api::Message;
-use keel_schema::event::{DurableEvent, EphemeralEvent, payload};
+use keel_schema::event::{DurableEvent, payload};
 use keel_schema::id::{CallId, MessageId};
-use keel_schema::types::{
-    CompactionReason, Effect, ErrorInfo, Finish, InterruptReason, Phase, Usage,
-};
+use keel_schema::types::{CompactionReason, Effect, Finish, InterruptReason, Phase, Usage};
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
+use super::burst::Burst;
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::fence::Held;
 use super::tools::{Done, QUESTION, result_event};
-use super::translate::{Translator, coalesce};
+use super::translate::Translator;
 use super::{Agent, Engine, Error, context};
 use crate::event::view;
 use crate::execution;
@@ -184,7 +183,7 @@ pub(super) struct Step<'a> {
     called_tools: bool,
     /// A refused permission or a dismissed question stops the continuation.
     stopped: Option<InterruptReason>,
-    burst: Burst,
+    pub(super) burst: Burst,
     /// The results of the calls that finished last, held for the step's closing write.
     last_results: Vec<DurableEvent>,
     cancel: &'a CancellationToken,
@@ -217,66 +216,6 @@ impl Engine {
                 Err(error)
             }
             other => other,
-        }
-    }
-
-    /// The adapter that serves `model`.
-    pub(super) fn provider(
-        &self,
-        model: &keel_schema::types::ModelRef,
-    ) -> Result<Arc<dyn Provider>, Error> {
-        self.settings
-            .providers
-            .get(&model.provider)
-            .cloned()
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "no provider `{}` is configured (model {model})",
-                    model.provider
-                ))
-            })
-    }
-
-    /// Fails a step that broke off: every unresolved call, then `step.failed`, in one
-    /// fenced transaction, retried a few times.
-    pub(super) async fn fail_step(&self, held: &Held, assistant: MessageId, cause: &Error) {
-        let session = held.claim.session_id;
-        let error = ErrorInfo::new("execution.failed", cause.to_string());
-        for attempt in 0..4 {
-            let error = error.clone();
-            let written = self
-                .fenced(held, move |c, now| {
-                    let open = view::unresolved_tools(c, session, assistant)?;
-                    let mut events: Vec<DurableEvent> = open
-                        .into_iter()
-                        .map(|call_id| {
-                            DurableEvent::ToolFailed(payload::ToolFailed {
-                                call_id,
-                                error: ErrorInfo::new(
-                                    "tool.step-failed",
-                                    "the step failed before this call's result was recorded",
-                                ),
-                            })
-                        })
-                        .collect();
-                    events.push(DurableEvent::StepFailed(payload::StepFailed {
-                        assistant_message_id: assistant,
-                        error,
-                        usage: None,
-                    }));
-                    crate::event::log::append(c, now, session, events).map_err(Error::from)
-                })
-                .await;
-            match written {
-                Ok(envelopes) => {
-                    self.publish(&envelopes);
-                    return;
-                }
-                Err(Error::OwnershipLost(_)) => return,
-                Err(e) => {
-                    tracing::warn!(%session, error = %e, attempt, "failing the broken step failed");
-                }
-            }
         }
     }
 }
@@ -652,71 +591,5 @@ impl<'a> Step<'a> {
             assistant,
             closing,
         })
-    }
-
-    /// Commits the burst's durable events in one fenced write, then publishes everything
-    /// live in the order the provider produced it (runs of deltas coalesced).
-    async fn commit_burst(&mut self) -> Result<(), Error> {
-        let Burst { durable, order } = std::mem::take(&mut self.burst);
-        let mut deltas = Vec::new();
-        let mut order = order.into_iter().peekable();
-        // Deltas ahead of the first durable event follow what is already committed: they
-        // need not wait for this commit.
-        while let Some(Outgoing::Ephemeral(event)) =
-            order.next_if(|o| matches!(o, Outgoing::Ephemeral(_)))
-        {
-            deltas.push(event);
-        }
-        self.publish_deltas(&mut deltas);
-        if durable.is_empty() {
-            return Ok(());
-        }
-        let mut committed = self.engine.append(self.held, durable).await?.into_iter();
-        for item in order {
-            match item {
-                Outgoing::Ephemeral(event) => deltas.push(event),
-                Outgoing::Durable => {
-                    self.publish_deltas(&mut deltas);
-                    if let Some(envelope) = committed.next() {
-                        self.engine.publish(std::slice::from_ref(&envelope));
-                    }
-                }
-            }
-        }
-        self.publish_deltas(&mut deltas);
-        Ok(())
-    }
-
-    fn publish_deltas(&self, deltas: &mut Vec<EphemeralEvent>) {
-        for event in coalesce(std::mem::take(deltas)) {
-            self.engine.publish_ephemeral(self.held, event);
-        }
-    }
-}
-
-/// A burst of the step's output, in the order the provider produced it, until it is
-/// committed: everything the stream has ready commits in one write instead of one per
-/// event.
-#[derive(Debug, Default)]
-struct Burst {
-    /// The durable events, to commit together.
-    durable: Vec<DurableEvent>,
-    /// Everything in order; `Durable` stands for the next of `durable`.
-    order: Vec<Outgoing>,
-}
-
-#[derive(Debug)]
-enum Outgoing {
-    Durable,
-    Ephemeral(EphemeralEvent),
-}
-
-impl Burst {
-    /// One provider event's output: its durable events come before its deltas.
-    fn extend(&mut self, durable: Vec<DurableEvent>, ephemeral: Vec<EphemeralEvent>) {
-        self.order.extend(durable.iter().map(|_| Outgoing::Durable));
-        self.durable.extend(durable);
-        self.order
-            .extend(ephemeral.into_iter().map(Outgoing::Ephemeral));
     }
 }

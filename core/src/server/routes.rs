@@ -385,7 +385,13 @@ pub async fn reply_permission(
     body: std::result::Result<Json<PermissionReply>, JsonRejection>,
 ) -> Result<Json<Accepted>> {
     let Json(body) = body?;
-    delivered(&state, session.id, request, Reply::Permission(body.decision)).await
+    delivered(
+        &state,
+        session.id,
+        request,
+        Reply::Permission(body.decision),
+    )
+    .await
 }
 
 pub async fn reply_question(

@@ -1,5 +1,9 @@
 //! The payload of every event type at its latest version.
 //!
+//! (Longer than Keel's other files on purpose: it is the catalog's data, one small struct
+//! per event with its example, read one struct at a time; splitting it would scatter what
+//! the catalog in `mod.rs` lists in one place.)
+//!
 //! A payload's doc comment becomes the description of its contract file. Changing a
 //! field of a published payload is a new version: add it here, move the old struct to
 //! [`super::legacy`] with an upcast into this one, and list both in the catalog.

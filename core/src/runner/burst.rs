@@ -1,0 +1,76 @@
+//! A burst: whatever the provider's stream has ready, committed in one fenced write and
+//! then published live in the order the provider produced it.
+
+use keel_schema::event::{DurableEvent, EphemeralEvent};
+
+use super::Error;
+use super::step::Step;
+use super::translate::coalesce;
+
+impl Step<'_> {
+    /// Commits the burst's durable events in one fenced write, then publishes everything
+    /// live in the order the provider produced it (runs of deltas coalesced).
+    pub(super) async fn commit_burst(&mut self) -> Result<(), Error> {
+        let Burst { durable, order } = std::mem::take(&mut self.burst);
+        let mut deltas = Vec::new();
+        let mut order = order.into_iter().peekable();
+        // Deltas ahead of the first durable event follow what is already committed: they
+        // need not wait for this commit.
+        while let Some(Outgoing::Ephemeral(event)) =
+            order.next_if(|o| matches!(o, Outgoing::Ephemeral(_)))
+        {
+            deltas.push(event);
+        }
+        self.publish_deltas(&mut deltas);
+        if durable.is_empty() {
+            return Ok(());
+        }
+        let mut committed = self.engine.append(self.held, durable).await?.into_iter();
+        for item in order {
+            match item {
+                Outgoing::Ephemeral(event) => deltas.push(event),
+                Outgoing::Durable => {
+                    self.publish_deltas(&mut deltas);
+                    if let Some(envelope) = committed.next() {
+                        self.engine.publish(std::slice::from_ref(&envelope));
+                    }
+                }
+            }
+        }
+        self.publish_deltas(&mut deltas);
+        Ok(())
+    }
+
+    fn publish_deltas(&self, deltas: &mut Vec<EphemeralEvent>) {
+        for event in coalesce(std::mem::take(deltas)) {
+            self.engine.publish_ephemeral(self.held, event);
+        }
+    }
+}
+
+/// A burst of the step's output, in the order the provider produced it, until it is
+/// committed: everything the stream has ready commits in one write instead of one per
+/// event.
+#[derive(Debug, Default)]
+pub(super) struct Burst {
+    /// The durable events, to commit together.
+    durable: Vec<DurableEvent>,
+    /// Everything in order; `Durable` stands for the next of `durable`.
+    order: Vec<Outgoing>,
+}
+
+#[derive(Debug)]
+enum Outgoing {
+    Durable,
+    Ephemeral(EphemeralEvent),
+}
+
+impl Burst {
+    /// One provider event's output: its durable events come before its deltas.
+    pub(super) fn extend(&mut self, durable: Vec<DurableEvent>, ephemeral: Vec<EphemeralEvent>) {
+        self.order.extend(durable.iter().map(|_| Outgoing::Durable));
+        self.durable.extend(durable);
+        self.order
+            .extend(ephemeral.into_iter().map(Outgoing::Ephemeral));
+    }
+}
