@@ -1,4 +1,4 @@
-//! Several nodes on one database.
+//! Several nodes on one database: the `node` table and the LISTEN/NOTIFY bus between nodes.
 //!
 //! Every `keel serve` process is a node: it registers in the `node` table at start,
 //! heartbeats every third of a lease, and removes itself on a graceful shutdown; nodes

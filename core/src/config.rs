@@ -1,4 +1,5 @@
-//! Configuration: `keel.toml`, environment variables and flags.
+//! Configuration: `keel.toml`, read and turned into providers, model limits and agents.
+//! (Flags and environment variables belong to the binary, which builds a node's options.)
 //!
 //! ```toml
 //! default_model = "demo/scripted"
