@@ -223,7 +223,7 @@ impl Engine {
 impl<'a> Step<'a> {
     /// Builds the request, compacts first when the model's limits call for it, and writes
     /// `step.started` unless the boundary did; that fenced write is the ownership check
-    /// before the provider request. Nothing is sent yet.
+    /// before the provider request. Nothing is sent until [`Step::run`] polls the stream.
     async fn start(
         engine: &'a Engine,
         held: &'a Held,

@@ -181,7 +181,7 @@ impl Step<'_> {
                     let done = tokio::select! {
                         () = cancel.cancelled() => Done::Abandoned,
                         reply = reply => match reply {
-                            Ok(Reply::Permission(decision)) => Done::Decided(decision, Launch { ..launch }),
+                            Ok(Reply::Permission(decision)) => Done::Decided(decision, launch),
                             Ok(Reply::Answer(_) | Reply::Dismiss) | Err(_) => Done::Abandoned,
                         },
                     };
