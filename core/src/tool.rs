@@ -10,7 +10,7 @@
 //! Running a tool is not the runner's business beyond this interface: the runner decides
 //! *whether* to run it (permissions, ownership) and records the outcome durably.
 //!
-//! The built-ins ([`builtins`]) live one per module: [`read`], [`write`], [`edit`],
+//! The built-ins ([`builtins`]) live one per module: [`read`], [`write`](mod@write), [`edit`],
 //! [`list`], [`glob`], [`grep`] and [`bash`]. They share path confinement (`path`), output
 //! truncation (`truncate`) and input parsing (`input`). `question` is not a tool here: the
 //! runner answers it.

@@ -36,8 +36,9 @@ mod step;
 mod tools;
 mod translate;
 
+use engine::Engine;
+
 pub use compaction::{ModelLimits, needs_compaction};
-pub use engine::Engine;
 pub use error::Error;
 pub use handle::{Forwarder, Reply, Runner};
 pub use live::Live;
