@@ -13,6 +13,9 @@
 //! [provider.anthropic]
 //! kind = "anthropic"             # ANTHROPIC_API_KEY
 //! thinking_budget = 8000         # optional: extended thinking
+//! idle_timeout_ms = 300000       # optional, openai and anthropic: the longest silence
+//!                                # of a stream (also connect_timeout_ms, 10 s by default,
+//!                                # and first_byte_timeout_ms; both others 120 s)
 //! [model."demo/scripted"]
 //! context = 128000
 //! output = 8192
@@ -28,13 +31,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::provider::Provider;
 use crate::provider::anthropic::Anthropic;
 use crate::provider::openai::OpenAi;
 use crate::provider::scripted::Scripted;
+use crate::provider::{Provider, Timeouts};
 use crate::runner::{Agent, ModelLimits, Policy};
 
 /// What can be wrong with the configuration.
@@ -64,9 +68,48 @@ pub struct ProviderConfig {
     pub script: Option<PathBuf>,
     /// For `anthropic`: turns extended thinking on with this many tokens for it.
     pub thinking_budget: Option<u32>,
+    /// For `openai` and `anthropic`: how long a request may wait to connect, for its
+    /// response to start, and between pieces of the response (defaults in
+    /// [`Timeouts::default`]).
+    pub connect_timeout_ms: Option<u64>,
+    pub first_byte_timeout_ms: Option<u64>,
+    pub idle_timeout_ms: Option<u64>,
 }
 
 impl ProviderConfig {
+    /// The request timeouts: the defaults, with what the entry sets. Zero is refused (it
+    /// would fail every request).
+    fn timeouts(&self, name: &str) -> Result<Timeouts, Error> {
+        let defaults = Timeouts::default();
+        let pick = |field: &str, value: Option<u64>, default: Duration| match value {
+            None => Ok(default),
+            Some(0) => Err(Error::Invalid(format!(
+                "provider `{name}`: {field} must be at least 1"
+            ))),
+            Some(ms) => Ok(Duration::from_millis(ms)),
+        };
+        Ok(Timeouts {
+            connect: pick(
+                "connect_timeout_ms",
+                self.connect_timeout_ms,
+                defaults.connect,
+            )?,
+            first_byte: pick(
+                "first_byte_timeout_ms",
+                self.first_byte_timeout_ms,
+                defaults.first_byte,
+            )?,
+            idle: pick("idle_timeout_ms", self.idle_timeout_ms, defaults.idle)?,
+        })
+    }
+
+    /// Whether the entry sets a timeout (which only HTTP providers have).
+    fn sets_timeouts(&self) -> bool {
+        self.connect_timeout_ms.is_some()
+            || self.first_byte_timeout_ms.is_some()
+            || self.idle_timeout_ms.is_some()
+    }
+
     /// The provider's key: from the variable `api_key_env` names, else from the kind's
     /// usual variable (`default_env`). A provider at its vendor's endpoint needs one; a
     /// provider with a `base_url` (a local server, say) may go without.
@@ -139,6 +182,9 @@ impl Default for Config {
                     api_key_env: None,
                     script: None,
                     thinking_budget: None,
+                    connect_timeout_ms: None,
+                    first_byte_timeout_ms: None,
+                    idle_timeout_ms: None,
                 },
             )]),
             model: HashMap::new(),
@@ -194,6 +240,17 @@ impl Config {
                     provider.kind
                 )));
             }
+            if provider.sets_timeouts() && provider.kind == "scripted" {
+                return Err(Error::Invalid(format!(
+                    "provider `{name}`: timeouts are settings of openai and anthropic \
+                     providers; a scripted one makes no requests"
+                )));
+            }
+            let client = |e: reqwest::Error| {
+                Error::Invalid(format!(
+                    "provider `{name}`: its HTTP client cannot be built: {e}"
+                ))
+            };
             let adapter: Arc<dyn Provider> = match provider.kind.as_str() {
                 "scripted" => match &provider.script {
                     None => Arc::new(Scripted::demo()),
@@ -212,15 +269,21 @@ impl Config {
                         })?)
                     }
                 },
-                "openai" => Arc::new(OpenAi::new(
-                    provider.base_url.clone(),
-                    provider.api_key(name, "OPENAI_API_KEY")?,
-                )),
+                "openai" => Arc::new(
+                    OpenAi::new(
+                        provider.base_url.clone(),
+                        provider.api_key(name, "OPENAI_API_KEY")?,
+                        provider.timeouts(name)?,
+                    )
+                    .map_err(client)?,
+                ),
                 "anthropic" => {
                     let adapter = Anthropic::new(
                         provider.base_url.clone(),
                         provider.api_key(name, "ANTHROPIC_API_KEY")?,
-                    );
+                        provider.timeouts(name)?,
+                    )
+                    .map_err(client)?;
                     Arc::new(match provider.thinking_budget {
                         Some(budget) => adapter.with_thinking(budget),
                         None => adapter,
@@ -284,6 +347,61 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn provider_timeouts_are_the_defaults_with_what_the_file_sets() {
+        let config = Config::parse(
+            r#"
+            default_model = "local/m"
+            [provider.local]
+            kind = "openai"
+            base_url = "http://127.0.0.1:9/v1"
+            idle_timeout_ms = 300000
+            connect_timeout_ms = 2000
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            config.provider["local"].timeouts("local").unwrap(),
+            Timeouts {
+                connect: Duration::from_secs(2),
+                first_byte: Timeouts::default().first_byte,
+                idle: Duration::from_secs(300),
+            }
+        );
+        assert!(config.providers().unwrap().contains_key("local"));
+    }
+
+    #[test]
+    fn a_zero_timeout_or_a_timeout_on_a_scripted_provider_is_refused() {
+        let zero = Config::parse(
+            r#"
+            default_model = "local/m"
+            [provider.local]
+            kind = "openai"
+            base_url = "http://127.0.0.1:9/v1"
+            first_byte_timeout_ms = 0
+            "#,
+        )
+        .unwrap();
+        let Err(Error::Invalid(message)) = zero.providers() else {
+            panic!("a zero timeout is refused");
+        };
+        assert!(message.contains("first_byte_timeout_ms"), "{message}");
+        let scripted = Config::parse(
+            r#"
+            default_model = "demo/scripted"
+            [provider.demo]
+            kind = "scripted"
+            idle_timeout_ms = 1000
+            "#,
+        )
+        .unwrap();
+        let Err(Error::Invalid(message)) = scripted.providers() else {
+            panic!("a timeout on a scripted provider is refused");
+        };
+        assert!(message.contains("scripted"), "{message}");
+    }
 
     #[test]
     fn no_file_means_the_demo_model() {

@@ -15,6 +15,7 @@ pub mod scripted;
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::Stream;
 use keel_schema::types::{ErrorInfo, Finish, ModelRef, Part, ToolContent, Usage};
@@ -212,6 +213,48 @@ pub enum Event {
     },
 }
 
+/// How long an HTTP provider's request may wait at each stage. A wait that runs out is a
+/// [`Error::Timeout`], retried like any transport failure before output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// For the connection (TCP and TLS) to be made.
+    pub connect: Duration,
+    /// From sending the request to the response's status line and headers.
+    pub first_byte: Duration,
+    /// Between two pieces of the response body: a stream silent this long has stalled.
+    pub idle: Duration,
+}
+
+impl Default for Timeouts {
+    /// 10 s to connect; 120 s for the answer to start and between its pieces, room for a
+    /// real model that thinks before it speaks.
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(10),
+            first_byte: Duration::from_secs(120),
+            idle: Duration::from_secs(120),
+        }
+    }
+}
+
+/// The stage of a request whose wait ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Connect,
+    FirstByte,
+    Idle,
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Connect => "did not accept the connection",
+            Self::FirstByte => "did not start its response",
+            Self::Idle => "stopped sending its response",
+        })
+    }
+}
+
 /// A provider failure, typed so the runner can decide to retry, compact or fail.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
@@ -234,6 +277,9 @@ pub enum Error {
     TransportAfterSend(String),
     #[error("the response stream ended early: {0}")]
     Incomplete(String),
+    /// A wait of [`Timeouts`] ran out.
+    #[error("the provider {stage} within {after_ms} ms")]
+    Timeout { stage: Stage, after_ms: u64 },
     /// The stream broke the protocol (a duplicate start, a result for an unknown call …).
     #[error("the provider's stream broke the protocol: {0}")]
     Protocol(String),
@@ -241,7 +287,7 @@ pub enum Error {
 
 impl Error {
     /// Whether sending the request again may succeed: rate limits, server errors,
-    /// transport failures and streams cut short. (Only before visible output: the runner
+    /// transport failures, timeouts and streams cut short. (Only before visible output: the runner
     /// decides that.) Overflow, auth and bad requests fail the same way every time.
     pub fn retryable(&self) -> bool {
         matches!(
@@ -251,6 +297,7 @@ impl Error {
                 | Self::TransportBeforeSend(_)
                 | Self::TransportAfterSend(_)
                 | Self::Incomplete(_)
+                | Self::Timeout { .. }
         )
     }
 
@@ -265,6 +312,7 @@ impl Error {
             Self::TransportBeforeSend(_) => "provider.transport",
             Self::TransportAfterSend(_) => "provider.transport_after_send",
             Self::Incomplete(_) => "provider.incomplete",
+            Self::Timeout { .. } => "provider.timeout",
             Self::Protocol(_) => "provider.protocol",
         };
         ErrorInfo::new(kind, self.to_string())

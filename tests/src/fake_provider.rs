@@ -31,6 +31,18 @@ pub struct Canned {
     /// The body is cut here and the connection dropped without ending the chunked body:
     /// a transport failure after the request was sent.
     pub cut_at: Option<usize>,
+    /// The response stops here and the connection stays open, silent, until the client
+    /// leaves: a provider that stalled.
+    pub stall: Option<Stall>,
+}
+
+/// Where a stalled response stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stall {
+    /// Before the status line: the request was read and never answered.
+    BeforeHead,
+    /// After this many bytes of the body.
+    InBody(usize),
 }
 
 impl Canned {
@@ -61,6 +73,7 @@ impl Canned {
             headers,
             body: body.as_bytes().to_vec(),
             cut_at: None,
+            stall: None,
         })
     }
 
@@ -74,6 +87,12 @@ impl Canned {
     /// The same response, its connection dropped after `at` bytes of the body.
     pub fn cut(mut self, at: usize) -> Self {
         self.cut_at = Some(at);
+        self
+    }
+
+    /// The same response, stalling at `stall` until the client gives up.
+    pub fn stall(mut self, stall: Stall) -> Self {
+        self.stall = Some(stall);
         self
     }
 }
@@ -175,6 +194,7 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) {
         headers: vec![("content-type".into(), "text/plain".into())],
         body: b"the fake provider has no response left for this request".to_vec(),
         cut_at: None,
+        stall: None,
     });
     drop(respond(&mut stream, &canned).await);
 }
@@ -224,14 +244,22 @@ async fn read_request(stream: &mut TcpStream) -> Option<Received> {
 }
 
 async fn respond(stream: &mut TcpStream, canned: &Canned) -> std::io::Result<()> {
+    if canned.stall == Some(Stall::BeforeHead) {
+        return silent_until_closed(stream).await;
+    }
     let mut head = format!("HTTP/1.1 {} Fake\r\n", canned.status);
     for (name, value) in &canned.headers {
         head.push_str(&format!("{name}: {value}\r\n"));
     }
     head.push_str("transfer-encoding: chunked\r\nconnection: close\r\n\r\n");
     stream.write_all(head.as_bytes()).await?;
+    let stall_at = match canned.stall {
+        Some(Stall::InBody(at)) => Some(at),
+        _ => None,
+    };
     let end = canned
         .cut_at
+        .or(stall_at)
         .unwrap_or(canned.body.len())
         .min(canned.body.len());
     for piece in canned.body[..end].chunks(PIECE) {
@@ -244,11 +272,21 @@ async fn respond(stream: &mut TcpStream, canned: &Canned) -> std::io::Result<()>
         // Let the client read this piece on its own.
         tokio::task::yield_now().await;
     }
+    if stall_at.is_some() {
+        return silent_until_closed(stream).await;
+    }
     if canned.cut_at.is_none() {
         stream.write_all(b"0\r\n\r\n").await?;
     }
     stream.flush().await?;
     stream.shutdown().await
+}
+
+/// Keeps the connection open and says nothing until the client closes it.
+async fn silent_until_closed(stream: &mut TcpStream) -> std::io::Result<()> {
+    let mut ignored = [0u8; 256];
+    while stream.read(&mut ignored).await? > 0 {}
+    Ok(())
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ mod stream;
 
 use reqwest::StatusCode;
 
-use super::{EventStream, Provider, Request, http};
+use super::{EventStream, Provider, Request, Timeouts, http};
 
 /// Anthropic's own endpoint, used when no `base_url` is configured.
 pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
@@ -41,7 +41,7 @@ pub const DEFAULT_MAX_TOKENS: u32 = 8_192;
 /// An Anthropic Messages API provider.
 #[derive(Clone)]
 pub struct Anthropic {
-    client: reqwest::Client,
+    connection: http::Connection,
     /// Without the trailing slash.
     base_url: String,
     api_key: Option<String>,
@@ -50,15 +50,20 @@ pub struct Anthropic {
 }
 
 impl Anthropic {
-    /// A provider at `base_url` (Anthropic's when `None`), sending `api_key` if given.
-    pub fn new(base_url: Option<String>, api_key: Option<String>) -> Self {
+    /// A provider at `base_url` (Anthropic's when `None`), sending `api_key` if given, its
+    /// requests bounded by `timeouts`. Fails only when no HTTP client can be built.
+    pub fn new(
+        base_url: Option<String>,
+        api_key: Option<String>,
+        timeouts: Timeouts,
+    ) -> Result<Self, reqwest::Error> {
         let base_url = base_url.unwrap_or_else(|| DEFAULT_BASE_URL.into());
-        Self {
-            client: reqwest::Client::new(),
+        Ok(Self {
+            connection: http::Connection::new(timeouts)?,
             base_url: base_url.trim_end_matches('/').to_owned(),
             api_key,
             thinking_budget: None,
-        }
+        })
     }
 
     /// Turns on extended thinking with `budget_tokens` for it. Without an output limit in
@@ -84,14 +89,15 @@ impl std::fmt::Debug for Anthropic {
 impl Provider for Anthropic {
     fn stream(&self, request: &Request) -> EventStream {
         let mut builder = self
-            .client
+            .connection
             .post(format!("{}/v1/messages", self.base_url))
             .header("anthropic-version", API_VERSION)
             .json(&request::body(request, self.thinking_budget));
         if let Some(key) = &self.api_key {
             builder = builder.header("x-api-key", key);
         }
-        http::stream(builder, is_overflow, stream::Blocks::default())
+        self.connection
+            .stream(builder, is_overflow, stream::Blocks::default())
     }
 }
 

@@ -1,9 +1,11 @@
-//! What the HTTP adapters share: sending a request, turning a refusal into a typed
-//! [`Error`], and reading a server-sent-events body.
+//! What the HTTP adapters share: a connection with timeouts, sending a request, turning a
+//! refusal into a typed [`Error`], and reading a server-sent-events body.
 //!
 //! A transport failure is `TransportBeforeSend` only when the request certainly never
 //! left (the connection could not be made); anything later is `TransportAfterSend`, since
-//! the provider may have seen it.
+//! the provider may have seen it. Every wait has a bound ([`Timeouts`]): the connection,
+//! the response's head, and each gap between pieces of its body; one that runs out is
+//! [`Error::Timeout`], so a stalled provider can never hold a step (and its session) busy.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -12,7 +14,7 @@ use futures::{Stream, StreamExt};
 use reqwest::header::HeaderMap;
 use reqwest::{RequestBuilder, Response, StatusCode};
 
-use super::{Error, Event, EventStream};
+use super::{Error, Event, EventStream, Stage, Timeouts};
 
 /// The longest `retry-after` a provider may ask for that is honoured as given; longer
 /// waits are cut to this (the retry policy caps it again).
@@ -24,9 +26,76 @@ const BODY_EXCERPT: usize = 2_000;
 /// Recognises a provider's context-overflow refusal from its status and body.
 pub type OverflowTest = fn(StatusCode, &str) -> bool;
 
-/// Sends `request`; a refusal (any status but 2xx) becomes a typed error.
-pub async fn send(request: RequestBuilder, overflow: OverflowTest) -> Result<Response, Error> {
-    let response = request.send().await.map_err(transport)?;
+/// An adapter's way to its provider: a client whose connections give up after
+/// `timeouts.connect`, and the other waits, enforced on every response it streams.
+#[derive(Debug, Clone)]
+pub struct Connection {
+    client: reqwest::Client,
+    timeouts: Timeouts,
+}
+
+impl Connection {
+    /// Fails only when the HTTP client cannot be built at all (no usable TLS backend).
+    pub fn new(timeouts: Timeouts) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(timeouts.connect)
+            .build()?;
+        Ok(Self { client, timeouts })
+    }
+
+    /// A POST to `url`, to be sent by [`Connection::stream`].
+    pub fn post(&self, url: String) -> RequestBuilder {
+        self.client.post(url)
+    }
+
+    /// A provider response as an [`EventStream`]: sends `request` when first polled, then
+    /// decodes its SSE body with `decoder`. The stream ends after the first error.
+    pub fn stream(
+        &self,
+        request: RequestBuilder,
+        overflow: OverflowTest,
+        decoder: impl Decoder,
+    ) -> EventStream {
+        stream(request, overflow, decoder, self.timeouts)
+    }
+}
+
+/// The error of a wait of `after` that ran out at `stage`.
+fn timed_out(stage: Stage, after: Duration) -> Error {
+    Error::Timeout {
+        stage,
+        after_ms: u64::try_from(after.as_millis()).unwrap_or(u64::MAX),
+    }
+}
+
+/// Sends `request`; a refusal (any status but 2xx) becomes a typed error. The connection
+/// must be made within `timeouts.connect` and the response's head (and a refusal's body)
+/// arrive within `timeouts.first_byte`.
+async fn send(
+    request: RequestBuilder,
+    overflow: OverflowTest,
+    timeouts: Timeouts,
+) -> Result<Response, Error> {
+    tokio::time::timeout(
+        timeouts.first_byte,
+        send_unbounded(request, overflow, timeouts),
+    )
+    .await
+    .unwrap_or_else(|_| Err(timed_out(Stage::FirstByte, timeouts.first_byte)))
+}
+
+async fn send_unbounded(
+    request: RequestBuilder,
+    overflow: OverflowTest,
+    timeouts: Timeouts,
+) -> Result<Response, Error> {
+    let response = request.send().await.map_err(|e| {
+        if e.is_connect() && e.is_timeout() {
+            timed_out(Stage::Connect, timeouts.connect)
+        } else {
+            transport(e)
+        }
+    })?;
     let status = response.status();
     if status.is_success() {
         return Ok(response);
@@ -132,12 +201,12 @@ pub trait Decoder: Send + 'static {
     fn end(&mut self) -> Result<Vec<Event>, Error>;
 }
 
-/// A provider response as an [`EventStream`]: sends `request` when first polled, then
-/// decodes its SSE body with `decoder`. The stream ends after the first error.
-pub fn stream(
+/// See [`Connection::stream`].
+fn stream(
     request: RequestBuilder,
     overflow: OverflowTest,
     decoder: impl Decoder,
+    timeouts: Timeouts,
 ) -> EventStream {
     type Body = std::pin::Pin<Box<dyn Stream<Item = Result<SseEvent, Error>> + Send>>;
     enum State<D> {
@@ -163,13 +232,17 @@ pub fn stream(
                 }
                 state = match state {
                     State::Done => return None,
-                    State::Unsent(request, decoder) => match send(*request, overflow).await {
-                        Ok(response) => State::Reading(Box::pin(events(response)), decoder),
-                        Err(e) => {
-                            ready.push_back(Err(e));
-                            State::Done
+                    State::Unsent(request, decoder) => {
+                        match send(*request, overflow, timeouts).await {
+                            Ok(response) => {
+                                State::Reading(Box::pin(events(response, timeouts.idle)), decoder)
+                            }
+                            Err(e) => {
+                                ready.push_back(Err(e));
+                                State::Done
+                            }
                         }
-                    },
+                    }
                     State::Reading(mut body, mut decoder) => match body.next().await {
                         Some(Ok(event)) => {
                             ready.extend(flatten(decoder.event(event)));
@@ -206,13 +279,17 @@ pub struct SseEvent {
 }
 
 /// The events of an SSE body, as the bytes arrive. A failure of the body is
-/// `TransportAfterSend`; an event cut off by the end of the body is dropped (the adapter
-/// notices the missing end of the response).
-pub fn events(response: Response) -> impl Stream<Item = Result<SseEvent, Error>> + Send {
+/// `TransportAfterSend`, a body silent for `idle` a [`Stage::Idle`] timeout; an event cut
+/// off by the end of the body is dropped (the adapter notices the missing end of the
+/// response).
+pub fn events(
+    response: Response,
+    idle: Duration,
+) -> impl Stream<Item = Result<SseEvent, Error>> + Send {
     let body = response.bytes_stream();
     futures::stream::unfold(
         (body, Parser::default(), VecDeque::new(), false),
-        |(mut body, mut parser, mut ready, mut done)| async move {
+        move |(mut body, mut parser, mut ready, mut done)| async move {
             loop {
                 if let Some(event) = ready.pop_front() {
                     return Some((Ok(event), (body, parser, ready, done)));
@@ -220,7 +297,14 @@ pub fn events(response: Response) -> impl Stream<Item = Result<SseEvent, Error>>
                 if done {
                     return None;
                 }
-                match body.next().await {
+                let Ok(piece) = tokio::time::timeout(idle, body.next()).await else {
+                    done = true;
+                    return Some((
+                        Err(timed_out(Stage::Idle, idle)),
+                        (body, parser, ready, done),
+                    ));
+                };
+                match piece {
                     Some(Ok(bytes)) => ready.extend(parser.feed(&bytes)),
                     Some(Err(e)) => {
                         done = true;

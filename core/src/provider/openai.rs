@@ -28,7 +28,7 @@ use reqwest::StatusCode;
 
 use self::request::body;
 use self::stream::Chunks;
-use super::{EventStream, Provider, Request, http};
+use super::{EventStream, Provider, Request, Timeouts, http};
 
 /// OpenAI's own endpoint, used when no `base_url` is configured.
 pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
@@ -36,21 +36,26 @@ pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
 /// An OpenAI-compatible provider.
 #[derive(Clone)]
 pub struct OpenAi {
-    client: reqwest::Client,
+    connection: http::Connection,
     /// Without the trailing slash.
     base_url: String,
     api_key: Option<String>,
 }
 
 impl OpenAi {
-    /// A provider at `base_url` (OpenAI's when `None`), with a bearer key if given.
-    pub fn new(base_url: Option<String>, api_key: Option<String>) -> Self {
+    /// A provider at `base_url` (OpenAI's when `None`), with a bearer key if given, its
+    /// requests bounded by `timeouts`. Fails only when no HTTP client can be built.
+    pub fn new(
+        base_url: Option<String>,
+        api_key: Option<String>,
+        timeouts: Timeouts,
+    ) -> Result<Self, reqwest::Error> {
         let base_url = base_url.unwrap_or_else(|| DEFAULT_BASE_URL.into());
-        Self {
-            client: reqwest::Client::new(),
+        Ok(Self {
+            connection: http::Connection::new(timeouts)?,
             base_url: base_url.trim_end_matches('/').to_owned(),
             api_key,
-        }
+        })
     }
 }
 
@@ -79,13 +84,14 @@ impl std::fmt::Debug for OpenAi {
 impl Provider for OpenAi {
     fn stream(&self, request: &Request) -> EventStream {
         let mut builder = self
-            .client
+            .connection
             .post(format!("{}/chat/completions", self.base_url))
             .json(&body(request, self.limit_field()));
         if let Some(key) = &self.api_key {
             builder = builder.bearer_auth(key);
         }
-        http::stream(builder, is_overflow, Chunks::default())
+        self.connection
+            .stream(builder, is_overflow, Chunks::default())
     }
 }
 
@@ -118,10 +124,17 @@ mod tests {
     #[test]
     fn the_output_limit_is_named_as_the_server_expects() {
         assert_eq!(
-            OpenAi::new(None, None).limit_field(),
+            OpenAi::new(None, None, Timeouts::default())
+                .expect("an HTTP client")
+                .limit_field(),
             "max_completion_tokens"
         );
-        let local = OpenAi::new(Some("http://127.0.0.1:8080/v1/".into()), None);
+        let local = OpenAi::new(
+            Some("http://127.0.0.1:8080/v1/".into()),
+            None,
+            Timeouts::default(),
+        )
+        .expect("an HTTP client");
         assert_eq!(local.limit_field(), "max_tokens");
         let request = Request {
             model: ModelRef {

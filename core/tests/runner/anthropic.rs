@@ -9,7 +9,7 @@ use std::sync::Arc;
 use futures::StreamExt;
 use keel_core::coordinator::RunError;
 use keel_core::provider::anthropic::{Anthropic, DEFAULT_MAX_TOKENS};
-use keel_core::provider::{self, Event, Provider, Request, ToolChoice, Turn};
+use keel_core::provider::{self, Event, Provider, Request, Timeouts, ToolChoice, Turn};
 use keel_core::runner::{self, Agent};
 use keel_schema::event::DurableEvent;
 use keel_schema::id::SessionId;
@@ -28,7 +28,12 @@ fn fixture(name: &str) -> Canned {
 /// a `notes.txt` in the session directory for the recorded calls to read.
 async fn harness(responses: Vec<Canned>) -> (Harness, FakeProvider) {
     let fake = FakeProvider::start(responses).await;
-    let adapter = Anthropic::new(Some(fake.base_url.clone()), Some("sk-ant-test".into()));
+    let adapter = Anthropic::new(
+        Some(fake.base_url.clone()),
+        Some("sk-ant-test".into()),
+        Timeouts::default(),
+    )
+    .expect("an HTTP client");
     let h = Harness::new(Setup {
         providers: vec![("anthropic".into(), Arc::new(adapter))],
         ..Setup::default()
@@ -371,7 +376,8 @@ fn request() -> Request {
 /// The adapter's events for one request against a fake serving `canned`, without a key.
 async fn direct(canned: Canned) -> Vec<Result<Event, provider::Error>> {
     let fake = FakeProvider::start(vec![canned]).await;
-    let adapter = Anthropic::new(Some(fake.base_url.clone()), None);
+    let adapter = Anthropic::new(Some(fake.base_url.clone()), None, Timeouts::default())
+        .expect("an HTTP client");
     let events = adapter.stream(&request()).collect().await;
     assert_eq!(fake.received()[0].header("x-api-key"), None);
     events
@@ -527,7 +533,7 @@ async fn live_anthropic_answers() {
         return;
     };
     let model = std::env::var("KEEL_ANTHROPIC_MODEL").unwrap_or_else(|_| "claude-haiku-4-5".into());
-    let adapter = Anthropic::new(None, Some(key));
+    let adapter = Anthropic::new(None, Some(key), Timeouts::default()).expect("an HTTP client");
     let mut live = request();
     live.model.id = model;
     live.turns = vec![Turn::User {

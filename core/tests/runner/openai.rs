@@ -4,12 +4,15 @@
 //! for the failures the runner retries.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
 use keel_core::provider::openai::OpenAi;
-use keel_core::provider::{self, Event, Provider, Request, ToolChoice, Turn};
+use keel_core::provider::{self, Event, Provider, Request, Timeouts, ToolChoice, Turn};
+use keel_core::runner::RetryPolicy;
+use keel_schema::event::DurableEvent;
 use keel_schema::types::{Delivery, Finish, ModelRef, Part};
-use keel_tests::fake_provider::{Canned, FakeProvider};
+use keel_tests::fake_provider::{Canned, FakeProvider, Stall};
 use keel_tests::transcript;
 use serde_json::{Value, json};
 
@@ -21,17 +24,37 @@ fn fixture(name: &str) -> Canned {
 
 /// A harness whose `openai` provider talks to a fake server serving `responses`.
 async fn harness(responses: Vec<Canned>) -> (Harness, FakeProvider) {
+    harness_with(responses, Timeouts::default(), Setup::default()).await
+}
+
+/// [`harness`] with the adapter's `timeouts` and the rest of `setup`.
+async fn harness_with(
+    responses: Vec<Canned>,
+    timeouts: Timeouts,
+    setup: Setup,
+) -> (Harness, FakeProvider) {
     let fake = FakeProvider::start(responses).await;
     let adapter = OpenAi::new(
         Some(format!("{}/v1", fake.base_url)),
         Some("sk-test".into()),
-    );
+        timeouts,
+    )
+    .expect("an HTTP client");
     let h = Harness::new(Setup {
         providers: vec![("openai".into(), Arc::new(adapter))],
-        ..Setup::default()
+        ..setup
     })
     .await;
     (h, fake)
+}
+
+/// Waits short enough for a test: the fake provider answers at once or not at all.
+fn short_timeouts() -> Timeouts {
+    Timeouts {
+        connect: Duration::from_secs(5),
+        first_byte: Duration::from_millis(300),
+        idle: Duration::from_millis(300),
+    }
 }
 
 /// Prompts a new `openai` session and runs it until it settles.
@@ -263,12 +286,120 @@ async fn a_refused_connection_fails_before_sending() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let address = listener.local_addr().unwrap();
     drop(listener);
-    let adapter = OpenAi::new(Some(format!("http://{address}/v1")), None);
+    let adapter = OpenAi::new(
+        Some(format!("http://{address}/v1")),
+        None,
+        Timeouts::default(),
+    )
+    .expect("an HTTP client");
     let events: Vec<_> = adapter.stream(&request()).collect().await;
     assert!(
         matches!(events[..], [Err(provider::Error::TransportBeforeSend(_))]),
         "{events:?}"
     );
+}
+
+#[tokio::test]
+async fn a_provider_that_stalls_is_a_timeout_of_the_stage_it_stalled_in() {
+    let adapter = |fake: &FakeProvider| {
+        OpenAi::new(Some(fake.base_url.clone()), None, short_timeouts()).expect("an HTTP client")
+    };
+    let silent = FakeProvider::start(vec![fixture("text").stall(Stall::BeforeHead)]).await;
+    let events: Vec<_> = adapter(&silent).stream(&request()).collect().await;
+    assert!(
+        matches!(
+            events[..],
+            [Err(provider::Error::Timeout {
+                stage: provider::Stage::FirstByte,
+                after_ms: 300
+            })]
+        ),
+        "{events:?}"
+    );
+    let stalled = FakeProvider::start(vec![fixture("text").stall(Stall::InBody(700))]).await;
+    let events: Vec<_> = adapter(&stalled).stream(&request()).collect().await;
+    assert!(
+        matches!(events[0], Ok(Event::TextStart)),
+        "the stream spoke before it stalled: {events:?}"
+    );
+    assert!(
+        matches!(
+            events.last(),
+            Some(Err(provider::Error::Timeout {
+                stage: provider::Stage::Idle,
+                after_ms: 300
+            }))
+        ),
+        "{events:?}"
+    );
+    let error = provider::Error::Timeout {
+        stage: provider::Stage::Idle,
+        after_ms: 300,
+    };
+    assert!(error.retryable());
+    assert_eq!(error.info().kind, "provider.timeout");
+}
+
+#[tokio::test]
+async fn a_stream_that_stalls_after_output_fails_the_step_with_provider_timeout_and_the_session_goes_idle()
+ {
+    let (h, _fake) = harness_with(
+        vec![fixture("text").stall(Stall::InBody(700))],
+        short_timeouts(),
+        Setup::default(),
+    )
+    .await;
+    let session = h.session_on("openai").await;
+    h.admit(session, "Say hello.", Delivery::Queue).await;
+    let outcome = h.runner.run(session).await;
+    assert!(outcome.is_err(), "the execution failed: {outcome:?}");
+    let log = h.log(session).await;
+    let failed = log
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::StepFailed(failed) => Some(failed.error.clone()),
+            _ => None,
+        })
+        .expect("the step failed");
+    assert_eq!(failed.kind, "provider.timeout", "{failed:?}");
+    let kinds = h.kinds(session).await;
+    assert!(
+        !kinds.contains(&"retry.scheduled".to_owned()),
+        "no retry after output: {kinds:?}"
+    );
+    assert_eq!(kinds.last().map(String::as_str), Some("execution.settled"));
+    assert!(!h.claim_exists(session).await, "the session is idle");
+}
+
+#[tokio::test]
+async fn a_provider_that_never_answers_is_retried_after_its_first_byte_timeout() {
+    let retry = RetryPolicy {
+        delays: vec![Duration::from_millis(10)],
+        jitter: 0.0,
+        ..RetryPolicy::default()
+    };
+    let (h, fake) = harness_with(
+        vec![fixture("text").stall(Stall::BeforeHead), fixture("text")],
+        short_timeouts(),
+        Setup {
+            retry: Some(retry),
+            ..Setup::default()
+        },
+    )
+    .await;
+    let session = prompt_and_run(&h, "Say hello.").await;
+    let retried = h
+        .log(session)
+        .await
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::RetryScheduled(retry) => Some(retry.error.clone()),
+            _ => None,
+        })
+        .expect("the request was retried");
+    assert_eq!(retried.kind, "provider.timeout", "{retried:?}");
+    assert!(h.kinds(session).await.contains(&"step.ended".to_owned()));
+    assert_eq!(fake.received().len(), 2);
 }
 
 /// A minimal request.
@@ -291,7 +422,8 @@ fn request() -> Request {
 /// The adapter's events for one request against a fake serving `responses`.
 async fn direct(responses: Vec<Canned>) -> Vec<Result<Event, provider::Error>> {
     let fake = FakeProvider::start(responses).await;
-    let adapter = OpenAi::new(Some(fake.base_url.clone()), None);
+    let adapter = OpenAi::new(Some(fake.base_url.clone()), None, Timeouts::default())
+        .expect("an HTTP client");
     adapter.stream(&request()).collect().await
 }
 
@@ -306,7 +438,12 @@ async fn live_openai_answers() {
         eprintln!("live_openai_answers: skipped (OPENAI_API_KEY is not set)");
         return;
     };
-    let adapter = OpenAi::new(std::env::var("OPENAI_BASE_URL").ok(), Some(key));
+    let adapter = OpenAi::new(
+        std::env::var("OPENAI_BASE_URL").ok(),
+        Some(key),
+        Timeouts::default(),
+    )
+    .expect("an HTTP client");
     let mut live = request();
     live.model.id = std::env::var("KEEL_OPENAI_MODEL").unwrap_or_else(|_| "gpt-4.1-mini".into());
     let events: Vec<_> = adapter.stream(&live).collect().await;
