@@ -15,7 +15,9 @@
 //!   finishes. After the drain returns, the `cleanup` hook runs; a wake during cleanup
 //!   starts one successor afterwards, a run during cleanup starts one with `force = true`.
 //! - A joined caller receives exactly the outcome of the drain it joined; a wake racing a
-//!   failure still gets its successor.
+//!   failure still gets its successor. After a failure that ends the busy period
+//!   ([`Work::ends_busy_period`]: the claim was lost), that successor is a new busy
+//!   period, which claims afresh, not a follow-up drain of the lost one.
 //! - Dropping a waiting caller never cancels the execution.
 //! - Different keys run concurrently.
 //! - Follow-up drains run in a loop, never by recursion: a drain that wakes itself
@@ -80,6 +82,14 @@ pub trait Work: Send + Sync + 'static {
         key: &'a Self::Key,
         outcome: &'a Result<(), Self::Error>,
     ) -> BoxFuture<'a, ()>;
+    /// Whether a drain that failed with `error` leaves its busy period unable to go on
+    /// (the runner's claim was taken over, say). A wake that came meanwhile then starts a
+    /// new busy period, which begins with `started` again, instead of a follow-up drain
+    /// of this one. None does by default.
+    fn ends_busy_period(&self, error: &Self::Error) -> bool {
+        let _ = error;
+        false
+    }
 }
 
 /// Why [`Coordinator::run`] failed.
@@ -389,14 +399,17 @@ async fn busy_period<W: Work>(
                 let Some(entry) = map.get_mut(key) else {
                     return result;
                 };
-                match entry.doorbell.take() {
-                    Some(scope) => {
+                let over = matches!(&result, Err(e) if work.ends_busy_period(e));
+                match entry.doorbell {
+                    // The doorbell stays rung for the next busy period (see `drive`).
+                    Some(scope) if !over => {
+                        entry.doorbell = None;
                         request = Request {
                             force: false,
                             scope: Some(scope),
                         };
                     }
-                    None => {
+                    Some(_) | None => {
                         entry.stage = Stage::Settling;
                         return result;
                     }

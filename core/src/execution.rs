@@ -3,8 +3,10 @@
 //! A claim is the `session_execution` row. [`acquire`] inserts it, and `session_id` is
 //! UNIQUE, so exactly one owner wins; it never replaces an existing claim, even an expired
 //! one (reconciling expired claims belongs to recovery alone). The lease is
-//! `expires_at = now + lease`, renewed by the owner for all its claims in one statement
-//! ([`renew_all`]).
+//! `expires_at = now + lease`, renewed by the owner for the claims it is running
+//! ([`renew`]). A claim in phase `cancelling` stays there: a step start or a compaction's
+//! end after an interrupt updates its assistant message but not its phase, so a crash
+//! after an interrupt never lets recovery continue work the user stopped.
 //!
 //! **The fence.** Every durable write made on behalf of an execution runs through
 //! [`fenced`]: in the write's transaction it first updates the claim
@@ -219,7 +221,8 @@ fixed_query! {
 }
 
 fixed_query! {
-    /// Sets the phase and assistant message of the exact claim.
+    /// Sets the phase (unless the claim is cancelling) and the assistant message of the
+    /// exact claim.
     struct SetPhase<'a> {
         id: &'a str,
         owner_id: &'a str,
@@ -227,17 +230,18 @@ fixed_query! {
         message: Option<&'a str>,
         seq: Option<i64>,
     }
-    sql r#"UPDATE "session_execution" SET "phase" = "# {phase: Text}
-        r#", "assistant_message_id" = "# {message: Nullable<Text>}
+    sql r#"UPDATE "session_execution" SET "phase" = CASE WHEN "phase" = 'cancelling' THEN "phase" ELSE "# {phase: Text}
+        r#" END, "assistant_message_id" = "# {message: Nullable<Text>}
         r#", "assistant_seq" = "# {seq: Nullable<BigInt>}
         r#" WHERE "id" = "# {id: Text} r#" AND "owner_id" = "# {owner_id: Text}
 }
 
 fixed_query! {
-    /// Sets the phase of the exact claim, keeping its assistant message.
+    /// Sets the phase of the exact claim (unless it is cancelling), keeping its assistant
+    /// message.
     struct SetPhaseOnly<'a> { id: &'a str, owner_id: &'a str, phase: &'a str }
-    sql r#"UPDATE "session_execution" SET "phase" = "# {phase: Text}
-        r#" WHERE "id" = "# {id: Text} r#" AND "owner_id" = "# {owner_id: Text}
+    sql r#"UPDATE "session_execution" SET "phase" = CASE WHEN "phase" = 'cancelling' THEN "phase" ELSE "# {phase: Text}
+        r#" END WHERE "id" = "# {id: Text} r#" AND "owner_id" = "# {owner_id: Text}
 }
 
 /// Runs `write` behind the fence, in the caller's transaction: the fence first, then the
@@ -256,22 +260,34 @@ where
     write(connection)
 }
 
-/// Renews every live lease of `owner_id` in one statement; returns how many. Expired
-/// leases are not renewed: they belong to recovery.
-pub fn renew_all(
+/// Renews the live leases of `claims` (held by `owner_id`); returns how many. Only the
+/// claims the owner is running are named: one whose release failed is left to expire,
+/// so recovery takes it instead of the session staying busy. Expired leases are not
+/// renewed: they belong to recovery.
+pub fn renew(
     connection: &mut Conn,
     now: i64,
     lease_ms: i64,
     owner_id: OwnerId,
+    claims: &[ExecutionId],
 ) -> Result<usize, store::Error> {
-    Ok(diesel::update(
-        session_execution::table
-            .filter(session_execution::owner_id.eq(owner_id.to_string()))
-            .filter(session_execution::expires_at.gt(now)),
-    )
-    .set(session_execution::expires_at.eq(now + lease_ms))
-    .execute(connection)?)
+    let mut renewed = 0;
+    for chunk in claims.chunks(RENEW_CHUNK) {
+        let ids: Vec<String> = chunk.iter().map(ToString::to_string).collect();
+        renewed += diesel::update(
+            session_execution::table
+                .filter(session_execution::id.eq_any(ids))
+                .filter(session_execution::owner_id.eq(owner_id.to_string()))
+                .filter(session_execution::expires_at.gt(now)),
+        )
+        .set(session_execution::expires_at.eq(now + lease_ms))
+        .execute(connection)?;
+    }
+    Ok(renewed)
 }
+
+/// Claims renewed per statement (SQLite binds each id of an `IN` list).
+const RENEW_CHUNK: usize = 500;
 
 /// The sessions whose claims `owner_id` holds with a lease still running at `now`.
 pub fn live_sessions(

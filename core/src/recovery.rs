@@ -17,8 +17,8 @@
 //!    admission of one continuation input whose id derives from the dead execution's id,
 //!    so a second pass can never recover the same execution again;
 //! 4. wakes the recovered sessions, and redrives ordinary intent whose wake was lost:
-//!    sessions with inputs admitted with execution requested, still pending, and no
-//!    claim, one batch per pass from a cursor that wraps around ([`Recovery`]).
+//!    sessions not deleted with inputs admitted with execution requested, still pending,
+//!    and no claim, one batch per pass from a cursor that wraps around ([`Recovery`]).
 //!
 //! A session recovered [`MAX_ATTEMPTS`] times in a row (no execution settling otherwise
 //! in between) is not continued again: its execution settles `failed` with
@@ -37,7 +37,7 @@ use crate::event::log;
 use crate::inbox::{self, Admission};
 use crate::runner::Runner;
 use crate::store::column::parse_text;
-use crate::store::schema::{event, session_execution, session_input, session_message};
+use crate::store::schema::{event, session, session_execution, session_input, session_message};
 use crate::store::{self, Conn, Store};
 
 /// The claim exactly as it was selected, still expired at `now`: what recovery may touch.
@@ -268,11 +268,16 @@ fn lost_wakes_between(
     limit: i64,
 ) -> Result<Vec<String>, store::Error> {
     let claimed = session_execution::table.select(session_execution::session_id);
+    // A deleted session takes no more events: waking it could only fail.
+    let deleted = session::table
+        .filter(session::deleted_at.is_not_null())
+        .select(session::id);
     let mut query = session_input::table
         .filter(session_input::execution_requested.eq(true))
         .filter(session_input::promoted_seq.is_null())
         .filter(session_input::cancelled_seq.is_null())
         .filter(session_input::session_id.ne_all(claimed))
+        .filter(session_input::session_id.ne_all(deleted))
         .select(session_input::session_id)
         .distinct()
         .order(session_input::session_id.asc())

@@ -11,6 +11,9 @@ use super::*;
 
 type Done = oneshot::Sender<Result<(), String>>;
 
+/// The failure after which [`Probe`]'s busy period cannot go on (a lost claim).
+const LOST: &str = "the claim was lost";
+
 /// A call the coordinator made, held open until the test answers it.
 #[derive(Debug)]
 enum Call {
@@ -68,6 +71,10 @@ impl Work for Probe {
             })
             .unwrap();
         Box::pin(answer(rx))
+    }
+
+    fn ends_busy_period(&self, error: &String) -> bool {
+        error == LOST
     }
 
     fn cleanup<'a>(&'a self, _: &'a &'static str) -> BoxFuture<'a, Result<(), String>> {
@@ -399,6 +406,25 @@ async fn a_wake_racing_a_failure_gives_the_joined_caller_that_failure_and_runs_o
     h.quiesce().await;
     h.assert_no_call();
     assert_eq!(runs, 2);
+}
+
+#[tokio::test]
+async fn a_wake_racing_a_failure_that_ends_the_busy_period_starts_a_new_one() {
+    let mut h = Harness::new();
+    let caller = tokio::spawn(h.coordinator.run("a"));
+    let (_, _, done) = h.start().await;
+    h.coordinator.wake("a", Scope::Input);
+    done.send(Err(LOST.into())).unwrap();
+    // The lost busy period settles with its failure, without a follow-up drain …
+    assert_eq!(h.settle().await, Err(LOST.into()));
+    // … and the wake starts a new busy period, which claims afresh.
+    let (request, _, done) = h.start().await;
+    assert_eq!(request, woken(Scope::Input));
+    done.send(Ok(())).unwrap();
+    assert_eq!(h.settle().await, Ok(()));
+    assert_eq!(caller.await.unwrap(), Err(RunError::Failed(LOST.into())));
+    h.quiesce().await;
+    h.assert_no_call();
 }
 
 #[tokio::test]

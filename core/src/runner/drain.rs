@@ -151,7 +151,7 @@ impl Engine {
 }
 
 /// The number of the step that follows a boundary, or `None` when none does. New prompts
-/// run a step (from step 1 after an idle boundary); past the first boundary, otherwise,
+/// run a step (from step 1 after an idle boundary, or after the step a crash cut off); past the first boundary, otherwise,
 /// only a tool-driven continuation does, or a step whose tool calls were refused would
 /// loop; the first boundary also runs one when the transcript waits for the model. A
 /// control input runs no step here (the drain carries it out first).
@@ -165,7 +165,9 @@ fn next_step(
 ) -> Option<u32> {
     let (go, counted) = match promotion {
         Promotion::Control(_) => return None,
-        Promotion::Prompts(_) if boundary == Boundary::Idle => (true, 0),
+        Promotion::Prompts(_) if boundary == Boundary::Idle => {
+            (true, recovered_step(messages).unwrap_or(0))
+        }
         Promotion::Prompts(_) => (true, step_number),
         Promotion::Nothing => (
             boundary == Boundary::Step || (first && awaits_model(messages, force)),
@@ -173,6 +175,21 @@ fn next_step(
         ),
     };
     go.then_some(counted + 1)
+}
+
+/// The number of the step a crash cut off, when the transcript's last assistant message
+/// is one that recovery settled: the continuation recovery admitted goes on counting from
+/// it, so `max_steps` bounds the execution's steps across a recovery, not each drain's.
+fn recovered_step(messages: &[Message]) -> Option<u32> {
+    messages.iter().rev().find_map(|m| match m {
+        Message::Assistant {
+            step,
+            end: Some(StepEnd::Recovered { .. }),
+            ..
+        } => Some(Some(*step)),
+        Message::Assistant { .. } => Some(None),
+        _ => None,
+    })?
 }
 
 /// Whether the transcript waits for the model: its last message is the user's. `resume`

@@ -310,6 +310,11 @@ impl Work for Engine {
         })
     }
 
+    fn ends_busy_period(&self, error: &Error) -> bool {
+        // The claim is another owner's now: a wake must claim afresh (or stop).
+        matches!(error, Error::OwnershipLost(_))
+    }
+
     fn settled<'a>(
         &'a self,
         session: &'a SessionId,

@@ -125,42 +125,52 @@ impl Runner {
         self.coordinator.interrupt(&session)
     }
 
-    /// Renews every lease this process holds, every third of the lease, until `shutdown`
-    /// is cancelled. A failed renewal is logged and retried at the next tick; the fence
-    /// keeps a lease that ran out meanwhile from being written through.
+    /// Renews the leases of the executions this process runs, every third of the lease,
+    /// until `shutdown` is cancelled. A failed renewal is logged and retried at the next
+    /// tick; the fence keeps a lease that ran out meanwhile from being written through.
     pub async fn renew_leases(&self, shutdown: CancellationToken) {
-        let engine = self.engine().clone();
-        let lease = engine.settings.lease_ms;
+        let lease = self.engine().settings.lease_ms;
         let period = std::time::Duration::from_millis(u64::try_from(lease / 3).unwrap_or(1).max(1));
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(period) => {}
             }
-            let (owner, clock) = (engine.settings.owner, engine.store.clock().clone());
-            let renewed = engine
-                .store
-                .write(move |c| {
-                    let now = clock.now_ms();
-                    execution::renew_all(c, now, lease, owner)?;
-                    let live = execution::live_sessions(c, now, owner)?;
-                    Ok::<_, store::Error>((now, live))
-                })
-                .await;
-            match renewed {
-                Ok((now, live)) => {
-                    // Only claims the database still gives this owner get a later deadline.
-                    for (session, held) in lock(&engine.held).iter() {
-                        if live.contains(session) {
-                            held.ownership
-                                .deadline
-                                .fetch_max(now + lease, Ordering::SeqCst);
-                        }
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "renewing leases failed"),
+            if let Err(e) = self.renew().await {
+                tracing::warn!(error = %e, "renewing leases failed");
             }
         }
+    }
+
+    /// One renewal: the leases of the executions this process is running, and no other
+    /// (a claim it stopped running, a release that failed say, is left to expire for
+    /// recovery). Returns how many were renewed.
+    pub async fn renew(&self) -> Result<usize, store::Error> {
+        let engine = self.engine().clone();
+        let claims: Vec<_> = lock(&engine.held).values().map(|h| h.claim.id).collect();
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        let (owner, lease) = (engine.settings.owner, engine.settings.lease_ms);
+        let clock = engine.store.clock().clone();
+        let (now, renewed, live) = engine
+            .store
+            .write(move |c| {
+                let now = clock.now_ms();
+                let renewed = execution::renew(c, now, lease, owner, &claims)?;
+                let live = execution::live_sessions(c, now, owner)?;
+                Ok::<_, store::Error>((now, renewed, live))
+            })
+            .await?;
+        // Only claims the database still gives this owner get a later deadline.
+        for (session, held) in lock(&engine.held).iter() {
+            if live.contains(session) {
+                held.ownership
+                    .deadline
+                    .fetch_max(now + lease, Ordering::SeqCst);
+            }
+        }
+        Ok(renewed)
     }
 
     /// Delivers a reply to a waiting permission request or question. False when nothing

@@ -184,6 +184,183 @@ async fn a_live_lease_is_never_recovered() {
 }
 
 #[tokio::test]
+async fn a_recovered_continuation_never_waits_for_the_next_redrive_pass() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![text("Working."), call("gate", json!({}))],
+            vec![text("Continued.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let first = h.run_to_gate(session).await;
+    // The lease runs out while the step waits in its tool, and this same process's
+    // recovery takes the execution over (as after a pause): the continuation's wake rings
+    // the doorbell of the busy period whose claim is gone.
+    h.clock.advance(LEASE + 1);
+    let mut live = h.runner.subscribe();
+    let report = Recovery::default().pass(&h.runner).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    h.release.notify_one();
+    assert_outcome!(
+        first.await.unwrap(),
+        Err(RunError::Failed(Error::OwnershipLost(id))) if id == session
+    );
+    // Without another pass, that wake claims the session afresh and continues it.
+    let continued = async {
+        loop {
+            if let Ok(keel_core::runner::Live::Durable(e)) = live.recv().await
+                && matches!(
+                    &e.event,
+                    DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded
+                )
+            {
+                return;
+            }
+        }
+    };
+    // A bound against hanging, not a measure of speed.
+    tokio::time::timeout(std::time::Duration::from_secs(60), continued)
+        .await
+        .expect("the continuation ran without another recovery pass");
+    assert!(!h.claim_exists(session).await);
+    let kinds = h.kinds(session).await;
+    let from = kinds
+        .iter()
+        .rposition(|k| k == "execution.started")
+        .unwrap();
+    assert_eq!(
+        kinds[from..],
+        [
+            "execution.started",
+            "prompted",
+            "step.started",
+            "text.started",
+            "text.ended",
+            "step.ended",
+            "execution.settled",
+        ]
+    );
+}
+
+#[tokio::test]
+async fn max_steps_counts_the_execution_s_steps_across_a_recovery() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Done.")],
+        ])),
+        agent: Some(keel_core::runner::Agent {
+            max_steps: 2,
+            ..keel_core::runner::Agent::default()
+        }),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let _first = h.run_to_gate(session).await;
+    // The owner dies inside step 1's tool; another takes the execution over.
+    h.clock.advance(LEASE + 1);
+    let other = h.other_runner();
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    other.run(session).await.unwrap();
+    let steps: Vec<u32> = h
+        .log(session)
+        .await
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::StepStarted(s) => Some(s.step),
+            _ => None,
+        })
+        .collect();
+    // The continuation is step 2 of the same execution: the agent's last, without tools.
+    assert_eq!(steps, [1, 2]);
+    let requests = h.recording.requests.lock().unwrap();
+    assert_eq!(
+        requests.last().map(|r| r.tool_choice),
+        Some(keel_core::provider::ToolChoice::None)
+    );
+}
+
+#[tokio::test]
+async fn a_claim_whose_release_failed_is_not_renewed_and_recovery_takes_it() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use keel_core::store::Failpoint;
+
+    let failing = Arc::new(AtomicBool::new(false));
+    let fail = failing.clone();
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Done.")],
+        ])),
+        failpoint: Some(Failpoint(Arc::new(move |_| fail.load(Ordering::SeqCst)))),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let run = h.run_to_gate(session).await;
+    // From here every commit fails: the tool's result, the step's failure, the release.
+    failing.store(true, Ordering::SeqCst);
+    h.release.notify_one();
+    let outcome = run.await.unwrap();
+    assert!(outcome.is_err(), "{outcome:?}");
+    failing.store(false, Ordering::SeqCst);
+    let claim = |h: &Harness| {
+        let store = h.store.clone();
+        async move {
+            store
+                .read(move |c| execution::get(c, session))
+                .await
+                .unwrap()
+        }
+    };
+    let stranded = claim(&h)
+        .await
+        .expect("the release failed: the claim stays");
+    // This process no longer runs the execution, so it does not keep its lease alive.
+    assert!(!h.runner.is_busy(session));
+    h.clock.advance(LEASE / 2);
+    assert_eq!(h.runner.renew().await.unwrap(), 0);
+    assert_eq!(
+        claim(&h).await.expect("still there").expires_at,
+        stranded.expires_at
+    );
+    // Once the lease ran out, recovery takes the execution over and the session goes on.
+    h.clock.advance(LEASE);
+    let report = Recovery::default().pass(&h.runner).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    h.runner.run(session).await.unwrap();
+    assert!(claim(&h).await.is_none(), "the session is idle");
+    let kinds = h.kinds(session).await;
+    assert!(kinds.contains(&"step.recovered".to_owned()), "{kinds:?}");
+    assert_eq!(kinds.last().unwrap(), "execution.settled");
+}
+
+#[tokio::test]
+async fn recovery_never_redrives_the_lost_wake_of_a_deleted_session() {
+    let h = Harness::new(Setup::default()).await;
+    // Admitted with execution requested, never woken, then deleted.
+    let session = h.prompted("hello").await;
+    h.store
+        .append(
+            session,
+            vec![DurableEvent::Deleted(
+                keel_schema::event::payload::Deleted {},
+            )],
+        )
+        .await
+        .unwrap();
+    let report = Recovery::default().pass(&h.runner).await.unwrap();
+    assert!(report.redriven.is_empty(), "{report:?}");
+    assert_eq!(h.kinds(session).await.last().unwrap(), "deleted");
+}
+
+#[tokio::test]
 async fn a_lost_wake_is_redriven() {
     let h = Harness::new(Setup::default()).await;
     // Admitted with execution requested, but nothing woke the session.

@@ -1,4 +1,4 @@
-//! Claims: one winner, never replaced, renewed together, fenced, released with settlement.
+//! Claims: one winner, never replaced, renewed while run, fenced, released with settlement.
 
 use diesel::RunQueryDsl;
 use keel_core::execution::{self, Claim, Error};
@@ -47,7 +47,8 @@ backend_tests!(
     the_fence_requires_the_exact_claim_and_an_unexpired_lease,
     a_fenced_write_after_ownership_is_lost_rolls_back_entirely,
     a_failed_write_behind_the_fence_rolls_back_the_renewal,
-    renewal_extends_every_live_lease_of_an_owner_in_one_statement,
+    renewal_extends_only_the_named_live_leases_of_an_owner,
+    a_cancelling_claim_stays_cancelling_when_a_step_starts_or_a_compaction_ends,
     release_deletes_the_claim_together_with_execution_settled,
     the_phase_column_refuses_unknown_phases,
 );
@@ -202,25 +203,31 @@ async fn a_failed_write_behind_the_fence_rolls_back_the_renewal(db: TestDb) {
     );
 }
 
-async fn renewal_extends_every_live_lease_of_an_owner_in_one_statement(db: TestDb) {
+async fn renewal_extends_only_the_named_live_leases_of_an_owner(db: TestDb) {
     let store = db.open().await;
     let owner = OwnerId::new();
-    let mut sessions = Vec::new();
+    let mut running = Vec::new();
     for _ in 0..3 {
         let session = new_session(&store).await;
-        acquire(&store, session, owner).await.unwrap();
-        sessions.push(session);
+        let claim = acquire(&store, session, owner).await.unwrap();
+        running.push((session, claim.id));
     }
+    // The owner's fourth claim is one it no longer runs (its release failed, say).
+    let stranded = new_session(&store).await;
+    acquire(&store, stranded, owner).await.unwrap();
     let other = new_session(&store).await;
-    acquire(&store, other, OwnerId::new()).await.unwrap();
+    let foreign = acquire(&store, other, OwnerId::new()).await.unwrap();
     db.clock.advance(10_000);
-    let clock = store.clock().clone();
-    let renewed = store
-        .write(move |c| execution::renew_all(c, clock.now_ms(), LEASE, owner))
-        .await
-        .unwrap();
-    assert_eq!(renewed, 3);
-    for session in sessions {
+    let mut named: Vec<ExecutionId> = running.iter().map(|(_, id)| *id).collect();
+    // Another owner's claim named by mistake is not renewed either.
+    named.push(foreign.id);
+    let renew = |named: Vec<ExecutionId>| {
+        let clock = store.clock().clone();
+        store.write(move |c| execution::renew(c, clock.now_ms(), LEASE, owner, &named))
+    };
+    assert_eq!(renew(named.clone()).await.unwrap(), 3);
+    for (session, _) in &running {
+        let session = *session;
         let row = store
             .read(move |c| execution::get(c, session))
             .await
@@ -228,20 +235,48 @@ async fn renewal_extends_every_live_lease_of_an_owner_in_one_statement(db: TestD
             .unwrap();
         assert_eq!(row.expires_at, T0 + 10_000 + LEASE);
     }
+    for session in [stranded, other] {
+        let row = store
+            .read(move |c| execution::get(c, session))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.expires_at, T0 + LEASE, "not renewed");
+    }
+    // An expired lease is not renewed: it belongs to recovery.
+    db.clock.advance(LEASE * 2);
+    assert_eq!(renew(named).await.unwrap(), 0);
+}
+
+async fn a_cancelling_claim_stays_cancelling_when_a_step_starts_or_a_compaction_ends(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let claim = acquire(&store, session, OwnerId::new()).await.unwrap();
+    let assistant = MessageId::new();
+    let set = |phase: Phase, assistant: Option<(MessageId, u64)>| {
+        let clock = store.clock().clone();
+        store.write(move |c| {
+            let now = clock.now_ms();
+            execution::fenced(c, now, LEASE, &claim, |c| {
+                execution::set_phase(c, &claim, phase, assistant)
+            })
+        })
+    };
+    set(Phase::Cancelling, None).await.unwrap();
+    // A step's start that raced the interrupt records its assistant, not its phase.
+    set(Phase::Running, Some((assistant, 7))).await.unwrap();
+    // The end of a compaction puts the phase of the work that goes on back, but not over
+    // a cancellation.
+    set(Phase::Claimed, None).await.unwrap();
+    set(Phase::Compacting, Some((assistant, 7))).await.unwrap();
     let row = store
-        .read(move |c| execution::get(c, other))
+        .read(move |c| execution::get(c, session))
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(row.expires_at, T0 + LEASE);
-    // An expired lease is not renewed: it belongs to recovery.
-    db.clock.advance(LEASE * 2);
-    let clock = store.clock().clone();
-    let renewed = store
-        .write(move |c| execution::renew_all(c, clock.now_ms(), LEASE, owner))
-        .await
-        .unwrap();
-    assert_eq!(renewed, 0);
+    assert_eq!(row.phase, Phase::Cancelling);
+    assert_eq!(row.assistant_message_id, Some(assistant));
+    assert_eq!(row.assistant_seq, Some(7));
 }
 
 async fn release_deletes_the_claim_together_with_execution_settled(db: TestDb) {
