@@ -161,8 +161,9 @@ async fn bad_requests_get_the_documented_errors_and_change_nothing() {
             http.get(url("/api/session/ses_01KBFVGY400000000000000001")),
             404,
         ),
-        (http.get(url("/api/session/not-an-id")), 400),
-        (http.get(url("/api/session/not-an-id/log")), 400),
+        // A path that names nothing is a 404, well-formed id or not.
+        (http.get(url("/api/session/not-an-id")), 404),
+        (http.get(url("/api/session/not-an-id/log")), 404),
         // The session is looked up before the body is read: unknown beats malformed.
         (
             http.post(url("/api/session/ses_01KBFVGY400000000000000001/prompt"))

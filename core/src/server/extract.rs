@@ -1,7 +1,7 @@
 //! What the routes take from a request's path: the session named by `{id}` and the
-//! request named by `{request_id}`, parsed (a malformed id is a 400) and, for
-//! [`ExistingSession`], looked up (an unknown or deleted session is a 404), so no handler
-//! repeats that preamble.
+//! request named by `{request_id}`, parsed and, for [`ExistingSession`], looked up, so no
+//! handler repeats that preamble. Whether the text is no id at all or the id of nothing,
+//! the answer is the same 404: the path names nothing that exists.
 
 use axum::extract::{FromRequestParts, RawPathParams};
 use axum::http::request::Parts;
@@ -11,8 +11,15 @@ use keel_schema::id::{ParseIdError, RequestId, SessionId};
 use super::{ApiError, AppState};
 use crate::event::view;
 
-/// The parameter `name` of the route's path, parsed as `T`.
-async fn parameter<T>(parts: &mut Parts, state: &AppState, name: &str) -> Result<T, ApiError>
+/// The parameter `name` of the route's path, parsed as `T`. Text that is no such id names
+/// nothing that exists: it is a 404 saying so (`what` names the kind of thing), like an
+/// id that is well formed but unknown.
+async fn parameter<T>(
+    parts: &mut Parts,
+    state: &AppState,
+    name: &str,
+    what: &str,
+) -> Result<T, ApiError>
 where
     T: std::str::FromStr<Err = ParseIdError>,
 {
@@ -24,7 +31,7 @@ where
         .find(|(key, _)| *key == name)
         .ok_or_else(|| ApiError::bad_request(format!("the path has no `{name}`")))?;
     text.parse()
-        .map_err(|e: ParseIdError| ApiError::bad_request(e.to_string()))
+        .map_err(|e: ParseIdError| ApiError::not_found(format!("no {what} `{text}` ({e})")))
 }
 
 /// The session id of the route's `{id}`, whether or not such a session exists.
@@ -34,7 +41,7 @@ impl FromRequestParts<AppState> for SessionPath {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        parameter(parts, state, "id").await.map(Self)
+        parameter(parts, state, "id", "session").await.map(Self)
     }
 }
 
@@ -66,6 +73,8 @@ impl FromRequestParts<AppState> for RequestPath {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        parameter(parts, state, "request_id").await.map(Self)
+        parameter(parts, state, "request_id", "request")
+            .await
+            .map(Self)
     }
 }
