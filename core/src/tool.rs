@@ -187,20 +187,19 @@ impl Error {
     }
 }
 
-/// Runs blocking file-system work off the async threads, returning
-/// [`Error::Interrupted`] as soon as the run is cancelled (the work is abandoned; it only
-/// reads, or finishes a write the model asked for).
-pub(crate) async fn blocking<T, F>(context: &Context, work: F) -> Result<T, Error>
+/// Runs blocking file-system work off the async threads. A cancelled run still waits for
+/// the work to finish, since it cannot be stopped midway: a `write` or `edit` the step was
+/// interrupted in lands before the step ends, never after, and its result (it happened)
+/// is the call's. Work that walks directories checks the cancellation itself and stops
+/// early with [`Error::Interrupted`].
+pub(crate) async fn blocking<T, F>(work: F) -> Result<T, Error>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, Error> + Send + 'static,
 {
-    let task = tokio::task::spawn_blocking(work);
-    tokio::select! {
-        biased;
-        () = context.cancel.cancelled() => Err(Error::Interrupted),
-        joined = task => joined.map_err(|e| Error::Io(format!("tool task failed: {e}")))?,
-    }
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::Io(format!("tool task failed: {e}")))?
 }
 
 /// Plain text for the model.

@@ -210,8 +210,10 @@ impl Engine {
         match step.run().await {
             Err(error) if error.breaks_step() => {
                 // Any write of the step may have failed; settle it so it ends with exactly
-                // one terminal event and no call left running.
+                // one terminal event and no call left running: the calls are told to stop
+                // and joined first, so nothing a tool does lands after `step.failed`.
                 step.calls_cancel.cancel();
+                while step.calls.join_next().await.is_some() {}
                 self.fail_step(held, step.assistant, &error).await;
                 Err(error)
             }

@@ -59,7 +59,7 @@ impl Tool for Edit {
                 ));
             }
             let file = path::resolve(&context.directory, &input.path)?;
-            blocking(context, move || edit(&file, &input.old, &input.new)).await
+            blocking(move || edit(&file, &input.old, &input.new)).await
         })
     }
 }

@@ -59,7 +59,7 @@ impl Tool for Glob {
             let matcher = matcher(&root, &input.pattern)?;
             let max = context.limits.max_output_bytes;
             let cancel = context.cancel.clone();
-            blocking(context, move || {
+            blocking(move || {
                 let mut found = Vec::new();
                 walk::files(&root, &root, &cancel, |file| {
                     if matcher.matched(&file.shown, false).is_ignore() {

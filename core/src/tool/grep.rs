@@ -74,7 +74,7 @@ impl Tool for Grep {
             }
             let max = context.limits.max_output_bytes;
             let cancel = context.cancel.clone();
-            blocking(context, move || {
+            blocking(move || {
                 let mut out = Capped::new(max);
                 let mut matches = 0usize;
                 let mut files = 0usize;

@@ -56,7 +56,7 @@ impl Tool for List {
             let dir = path::resolve(&context.directory, requested)?;
             let root = context.directory.clone();
             let max = context.limits.max_output_bytes;
-            blocking(context, move || list(&root, &dir, max)).await
+            blocking(move || list(&root, &dir, max)).await
         })
     }
 }

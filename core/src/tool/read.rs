@@ -93,7 +93,7 @@ impl Tool for Read {
                 limit,
                 max_bytes: context.limits.max_output_bytes,
             };
-            blocking(context, move || read(&file, window)).await
+            blocking(move || read(&file, window)).await
         })
     }
 }

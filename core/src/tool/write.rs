@@ -51,7 +51,7 @@ impl Tool for Write {
         Box::pin(async move {
             let input: Input = input::parse(input)?;
             let file = path::resolve(&context.directory, &input.path)?;
-            blocking(context, move || write(&file, &input.content)).await
+            blocking(move || write(&file, &input.content)).await
         })
     }
 }

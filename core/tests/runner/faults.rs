@@ -128,3 +128,122 @@ async fn a_failed_commit_at_any_boundary_of_a_tool_using_step_leaves_no_stranded
         "{failed_runs} {failed_steps}"
     );
 }
+
+/// A tool whose work cannot be stopped midway (a file write, say): cancelled, it says so,
+/// then finishes only when the test lets it.
+struct Stubborn {
+    started: tokio::sync::mpsc::UnboundedSender<()>,
+    cancelled: tokio::sync::mpsc::UnboundedSender<()>,
+    finish: Arc<tokio::sync::Notify>,
+    finished: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl keel_core::tool::Tool for Stubborn {
+    fn name(&self) -> &'static str {
+        "stubborn"
+    }
+    fn description(&self) -> &'static str {
+        "Finishes its work even when cancelled."
+    }
+    fn effect(&self) -> keel_schema::types::Effect {
+        keel_schema::types::Effect::Write
+    }
+    fn input_schema(&self) -> serde_json::Value {
+        json!({"type": "object"})
+    }
+    fn permission_pattern(&self, _: &serde_json::Value) -> String {
+        "stubborn".into()
+    }
+    fn run<'a>(
+        &'a self,
+        _: serde_json::Value,
+        context: &'a keel_core::tool::Context,
+    ) -> keel_core::tool::Run<'a> {
+        Box::pin(async move {
+            self.started.send(()).unwrap();
+            context.cancel.cancelled().await;
+            self.cancelled.send(()).unwrap();
+            self.finish.notified().await;
+            self.finished.store(true, Ordering::SeqCst);
+            Err(keel_core::tool::Error::Interrupted)
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_step_that_breaks_off_joins_its_running_calls_before_step_failed() {
+    use keel_core::provider::Event;
+    use keel_core::runner::Live;
+    use keel_schema::types::Delivery;
+    use tokio::sync::{Notify, mpsc};
+
+    let fail_at = Arc::new(AtomicU64::new(NEVER));
+    let threshold = fail_at.clone();
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let (cancelled_tx, mut cancelled) = mpsc::unbounded_channel();
+    let finish = Arc::new(Notify::new());
+    let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = Harness::new(Setup {
+        failpoint: Some(Failpoint(Arc::new(move |ordinal| {
+            ordinal == threshold.load(Ordering::SeqCst)
+        }))),
+        tools: vec![Arc::new(Stubborn {
+            started: started_tx,
+            cancelled: cancelled_tx,
+            finish: finish.clone(),
+            finished: finished.clone(),
+        })],
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let run = h.spawn_run(session);
+    stream
+        .send(Ok(Event::ToolCall {
+            id: "c1".into(),
+            name: "stubborn".into(),
+            input: "{}".into(),
+            provider_executed: false,
+        }))
+        .unwrap();
+    started.recv().await.unwrap();
+    // The next commit (the text the model goes on with) fails: the step breaks off while
+    // the call still works.
+    fail_at.store(h.store.stats().0, Ordering::SeqCst);
+    stream.send(Ok(Event::TextStart)).unwrap();
+    cancelled.recv().await.unwrap();
+    let step_failed = |live: &mut tokio::sync::broadcast::Receiver<Live>| {
+        let mut live = live.resubscribe();
+        async move {
+            loop {
+                if let Live::Durable(e) = live.recv().await.unwrap()
+                    && matches!(e.event, DurableEvent::StepFailed(_))
+                {
+                    return;
+                }
+            }
+        }
+    };
+    // A step that did not wait for its calls would write its end now, within
+    // milliseconds; one that joins them cannot, however long this waits. (A bound on
+    // the wait, not a measure of speed.)
+    let early = tokio::time::timeout(
+        std::time::Duration::from_millis(500),
+        step_failed(&mut live),
+    )
+    .await;
+    assert!(
+        early.is_err(),
+        "step.failed was written while a call still worked"
+    );
+    let written = step_failed(&mut live);
+    finish.notify_one();
+    written.await;
+    assert!(finished.load(Ordering::SeqCst));
+    drop(stream);
+    assert!(run.await.unwrap().is_err());
+    assert!(!h.claim_exists(session).await);
+}

@@ -203,6 +203,8 @@ pub struct Setup {
     pub retry: Option<runner::RetryPolicy>,
     /// Model limits by `provider/id` (automatic compaction).
     pub models: HashMap<String, runner::ModelLimits>,
+    /// More tools, besides the gate, the probe and the built-ins.
+    pub tools: Vec<Arc<dyn Tool>>,
 }
 
 impl Harness {
@@ -244,6 +246,7 @@ impl Harness {
             probe.clone(),
         ];
         tools.extend(tool::builtins().iter().cloned());
+        tools.extend(setup.tools);
         let mut providers: HashMap<String, Arc<dyn Provider>> = HashMap::new();
         providers.insert("scripted".into(), recording.clone());
         providers.insert("other".into(), recording.clone());

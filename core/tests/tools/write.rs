@@ -112,3 +112,20 @@ async fn edit_of_a_missing_file_is_not_found() {
         Err(Error::NotFound("nope".into()))
     );
 }
+
+#[tokio::test]
+async fn a_write_cancelled_as_it_starts_has_landed_or_not_when_it_returns_never_later() {
+    let s = Session::new();
+    s.context.cancel.cancel();
+    let result = s
+        .call("write", json!({"path": "late.txt", "content": "landed"}))
+        .await;
+    // The file system work cannot be stopped midway, so the call waits for it: its
+    // result says what happened, and nothing happens after it returned.
+    let output = result.expect("the write ran to its end");
+    assert_eq!(output.structured["created"], json!(true));
+    assert_eq!(
+        std::fs::read_to_string(s.root.join("late.txt")).unwrap(),
+        "landed"
+    );
+}
