@@ -31,8 +31,8 @@ use crate::{recovery, tool};
 /// The shortest lease a node accepts: renewal runs every third of it.
 pub const MIN_LEASE_MS: i64 = 100;
 
-/// The shortest heartbeat interval of event streams a node accepts.
-pub const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
+/// The shortest heartbeat interval of event streams a node accepts, in milliseconds.
+pub const MIN_HEARTBEAT_MS: u64 = 10;
 
 /// Why a node could not start or stopped serving.
 #[derive(Debug, thiserror::Error)]
@@ -110,10 +110,9 @@ impl Options {
                 self.lease_ms
             )));
         }
-        if self.heartbeat < MIN_HEARTBEAT {
+        if self.heartbeat < Duration::from_millis(MIN_HEARTBEAT_MS) {
             return Err(Error::Invalid(format!(
-                "the stream heartbeat must be at least {} ms (got {})",
-                MIN_HEARTBEAT.as_millis(),
+                "the stream heartbeat must be at least {MIN_HEARTBEAT_MS} ms (got {})",
                 self.heartbeat.as_millis()
             )));
         }

@@ -181,15 +181,18 @@ fn next_step(
 /// is one that recovery settled: the continuation recovery admitted goes on counting from
 /// it, so `max_steps` bounds the execution's steps across a recovery, not each drain's.
 fn recovered_step(messages: &[Message]) -> Option<u32> {
-    messages.iter().rev().find_map(|m| match m {
-        Message::Assistant {
+    let last = messages
+        .iter()
+        .rev()
+        .find(|m| matches!(m, Message::Assistant { .. }));
+    match last {
+        Some(Message::Assistant {
             step,
             end: Some(StepEnd::Recovered { .. }),
             ..
-        } => Some(Some(*step)),
-        Message::Assistant { .. } => Some(None),
+        }) => Some(*step),
         _ => None,
-    })?
+    }
 }
 
 /// Whether the transcript waits for the model: its last message is the user's. `resume`

@@ -35,7 +35,7 @@ pub struct Serve {
     lease_ms: i64,
     /// Interval of the comment heartbeat on event streams, in milliseconds.
     #[arg(long, env = "KEEL_HEARTBEAT_MS", default_value_t = 15_000,
-          value_parser = clap::value_parser!(u64).range(10..))]
+          value_parser = clap::value_parser!(u64).range(node::MIN_HEARTBEAT_MS..))]
     heartbeat_ms: u64,
     /// Pooled read connections to the database (besides the writer's one and, on
     /// PostgreSQL, one for the other nodes' notifications).
