@@ -12,10 +12,11 @@
 //!   their own streams, so a client may follow any session through any node. A notification
 //!   lost to a broken connection costs latency, not events: log streams re-read the log
 //!   periodically.
-//! - `keel_route`: a wake, an interrupt or a reply to a permission request or question,
-//!   for a session whose claim another node holds, goes to that node (`{"to",
-//!   "session", "kind"}`), which carries it out as if it had been asked directly. A wake
-//!   for a session nobody holds is taken locally.
+//! - `keel_route`: a wake or an interrupt for a session whose claim another node holds
+//!   goes to that node (`{"to", "session", "kind"}`), which carries it out as if it had
+//!   been asked directly. A wake for a session nobody holds is taken locally. (A reply to
+//!   a permission request or a question is committed by the node that receives it; its
+//!   wake travels like any other.)
 //!
 //! The connection is polled every [`POLL`]: libpq's notifications arrive on its socket,
 //! which diesel does not expose for waiting, and a 20 ms poll costs one non-blocking read.
@@ -27,14 +28,14 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel::sql_types::Text;
 use keel_schema::api;
-use keel_schema::id::{OwnerId, RequestId, SessionId};
+use keel_schema::id::{OwnerId, SessionId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use crate::coordinator::Scope;
-use crate::runner::{Forwarder, Live, Reply, Runner};
-use crate::store::schema::{event, node, session_execution};
+use crate::runner::{Forwarder, Live, Runner};
+use crate::store::schema::{node, session_execution};
 use crate::store::{self, Conn, Store};
 
 /// How often the bus connection is polled for notifications and outgoing messages.
@@ -206,11 +207,6 @@ pub async fn keep_registered(
 pub enum RouteKind {
     Wake,
     Interrupt,
-    /// A reply to a permission request or a question the node's runner waits for.
-    Reply {
-        request: RequestId,
-        reply: Reply,
-    },
 }
 
 /// A wake or interrupt for the node that holds a session's claim.
@@ -261,8 +257,8 @@ impl Bus {
         Ok(bus)
     }
 
-    /// Forwards `route` to the node it names. Fails when it does not fit in a notification
-    /// (a very long answer to a question, say).
+    /// Forwards `route` to the node it names. Fails when it does not fit in a
+    /// notification.
     pub fn forward(&self, route: &Route) -> Result<(), String> {
         let payload = serde_json::to_string(route).map_err(|e| e.to_string())?;
         if payload.len() > MAX_PAYLOAD {
@@ -432,7 +428,7 @@ impl Receiver {
         });
     }
 
-    /// A wake, an interrupt or a reply for this node.
+    /// A wake or an interrupt for this node.
     fn routed(&self, payload: &str) {
         let route: Route = match serde_json::from_str(payload) {
             Ok(route) => route,
@@ -451,37 +447,7 @@ impl Receiver {
                 RouteKind::Interrupt => {
                     runner.interrupt(route.session).await;
                 }
-                RouteKind::Reply { request, reply } => {
-                    if !runner.reply(request, reply) {
-                        tracing::warn!(%request, "a routed reply found nobody waiting");
-                    }
-                }
             }
         });
     }
-}
-
-/// Whether `request` was asked in `session` (a permission request or a question) and
-/// not yet answered.
-pub fn awaits_reply(
-    connection: &mut Conn,
-    session: SessionId,
-    request: RequestId,
-) -> Result<bool, store::Error> {
-    let kinds: Vec<String> = event::table
-        .filter(event::session_id.eq(session.to_string()))
-        .filter(event::type_name.eq_any([
-            "session.next.permission.requested",
-            "session.next.permission.replied",
-            "session.next.question.asked",
-            "session.next.question.answered",
-            "session.next.question.dismissed",
-        ]))
-        .filter(event::data.like(format!("%{request}%")))
-        .select(event::type_name)
-        .load(connection)?;
-    let is_ask = |kind: &String| kind.ends_with(".requested") || kind.ends_with(".asked");
-    let asked = kinds.iter().any(is_ask);
-    let answered = kinds.iter().any(|kind| !is_ask(kind));
-    Ok(asked && !answered)
 }

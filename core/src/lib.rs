@@ -11,6 +11,7 @@
 //! - [`coordinator`]: at most one drain per session; wakes, joins, interrupts.
 //! - [`provider`]: model requests as streams of LLM events; one adapter per API.
 //! - [`tool`]: the tools the model can call, confined to the session directory.
+//! - [`request`]: permission requests and questions: durable waits for a person.
 //! - [`runner`]: drains a session through the model and its tools, fenced.
 //! - [`recovery`]: takes over the executions of dead owners, exactly once.
 //! - [`cluster`]: several nodes on one database: the node table, LISTEN/NOTIFY.
@@ -27,6 +28,7 @@ pub mod inbox;
 pub mod node;
 pub mod provider;
 pub mod recovery;
+pub mod request;
 pub mod runner;
 pub mod server;
 pub mod store;

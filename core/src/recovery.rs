@@ -17,8 +17,9 @@
 //!    admission of one continuation input whose id derives from the dead execution's id,
 //!    so a second pass can never recover the same execution again;
 //! 4. wakes the recovered sessions, and redrives ordinary intent whose wake was lost:
-//!    sessions not deleted with inputs admitted with execution requested, still pending,
-//!    and no claim, one batch per pass from a cursor that wraps around ([`Recovery`]).
+//!    sessions not deleted and with no claim that have inputs admitted with execution
+//!    requested, still pending (unless a step there waits for a person), or a reply to a
+//!    step that waits, one batch per pass from a cursor that wraps around ([`Recovery`]).
 //!
 //! A session recovered [`MAX_ATTEMPTS`] times in a row (no execution settling otherwise
 //! in between) is not continued again: its execution settles `failed` with
@@ -37,7 +38,9 @@ use crate::event::log;
 use crate::inbox::{self, Admission};
 use crate::runner::Runner;
 use crate::store::column::parse_text;
-use crate::store::schema::{event, session, session_execution, session_input, session_message};
+use crate::store::schema::{
+    event, session, session_execution, session_input, session_message, session_request,
+};
 use crate::store::{self, Conn, Store};
 
 /// The claim exactly as it was selected, still expired at `now`: what recovery may touch.
@@ -260,36 +263,60 @@ fn lost_wakes(connection: &mut Conn, after: Option<&str>) -> Result<Vec<SessionI
         .collect()
 }
 
-/// Lost wakes with a session id in `(after, through]`, at most `limit`, in order.
+/// Lost wakes with a session id in `(after, through]`, at most `limit`, in order: sessions
+/// with no claim and either an input that asked for execution (unless a step there waits
+/// for a person: its inputs wait for its end) or a reply to a waiting step.
 fn lost_wakes_between(
     connection: &mut Conn,
     after: Option<&str>,
     through: Option<&str>,
     limit: i64,
 ) -> Result<Vec<String>, store::Error> {
-    let claimed = session_execution::table.select(session_execution::session_id);
+    let claimed = || session_execution::table.select(session_execution::session_id);
     // A deleted session takes no more events: waking it could only fail.
-    let deleted = session::table
-        .filter(session::deleted_at.is_not_null())
-        .select(session::id);
-    let mut query = session_input::table
+    let deleted = || {
+        session::table
+            .filter(session::deleted_at.is_not_null())
+            .select(session::id)
+    };
+    let waiting = session_request::table
+        .filter(session_request::state.ne("settled"))
+        .select(session_request::session_id);
+    let mut inputs = session_input::table
         .filter(session_input::execution_requested.eq(true))
         .filter(session_input::promoted_seq.is_null())
         .filter(session_input::cancelled_seq.is_null())
-        .filter(session_input::session_id.ne_all(claimed))
-        .filter(session_input::session_id.ne_all(deleted))
+        .filter(session_input::session_id.ne_all(claimed()))
+        .filter(session_input::session_id.ne_all(deleted()))
+        .filter(session_input::session_id.ne_all(waiting))
         .select(session_input::session_id)
         .distinct()
         .order(session_input::session_id.asc())
         .limit(limit)
         .into_boxed();
+    let mut replies = session_request::table
+        .filter(session_request::state.eq("answered"))
+        .filter(session_request::session_id.ne_all(claimed()))
+        .filter(session_request::session_id.ne_all(deleted()))
+        .select(session_request::session_id)
+        .distinct()
+        .order(session_request::session_id.asc())
+        .limit(limit)
+        .into_boxed();
     if let Some(after) = after {
-        query = query.filter(session_input::session_id.gt(after.to_owned()));
+        inputs = inputs.filter(session_input::session_id.gt(after.to_owned()));
+        replies = replies.filter(session_request::session_id.gt(after.to_owned()));
     }
     if let Some(through) = through {
-        query = query.filter(session_input::session_id.le(through.to_owned()));
+        inputs = inputs.filter(session_input::session_id.le(through.to_owned()));
+        replies = replies.filter(session_request::session_id.le(through.to_owned()));
     }
-    Ok(query.load(connection)?)
+    let mut ids: Vec<String> = inputs.load(connection)?;
+    ids.extend(replies.load::<String>(connection)?);
+    ids.sort_unstable();
+    ids.dedup();
+    ids.truncate(usize::try_from(limit).unwrap_or(0));
+    Ok(ids)
 }
 
 /// Sets the selected claim aside after its recovery failed; false when the claim changed

@@ -107,6 +107,8 @@ pub struct SessionStatus {
     pub execution: Option<ExecutionStatus>,
     /// Admitted inputs not yet promoted or cancelled.
     pub pending_inputs: u32,
+    /// Permission requests and questions waiting for a reply.
+    pub awaiting_replies: u32,
 }
 
 /// `POST /api/session/{id}/prompt`.

@@ -124,6 +124,9 @@ pub enum Outcome {
     Interrupted,
     /// Settled by recovery after its owner died; a new execution continues the session.
     Recovered,
+    /// Handed back while its step waits for a person (`step.awaiting`); the reply starts a
+    /// new execution that resumes the step.
+    Awaiting,
 }
 
 /// Whether a tool only reads or may change the world. Write tools are never re-run blindly.

@@ -325,7 +325,7 @@ async fn an_interrupt_through_another_node_reaches_the_node_running_the_session(
 }
 
 #[tokio::test]
-async fn a_permission_answered_through_another_node_reaches_the_waiting_runner() {
+async fn a_permission_answered_through_another_node_resumes_the_waiting_step() {
     let Some(db) = PostgresDb::fresh("a_permission_answered_through_another_node") else {
         return;
     };
@@ -379,8 +379,20 @@ async fn a_permission_answered_through_another_node_reaches_the_waiting_runner()
         std::fs::read_to_string(first.directory().join("note.txt")).unwrap(),
         "approved elsewhere"
     );
-    // Answered: a second reply, through either node, finds nobody waiting.
-    assert!(c2.reply_permission(session, request, &once).await.is_err());
+    // Answered: a second reply, through either node, is a conflict.
+    for client in [&c1, &c2] {
+        let again = client.reply_permission(session, request, &once).await;
+        assert!(
+            matches!(
+                again,
+                Err(keel_client::Error::Api {
+                    kind: keel_client::schema::api::ErrorType::Conflict,
+                    ..
+                })
+            ),
+            "{again:?}"
+        );
+    }
     drop(second);
 }
 

@@ -2,7 +2,9 @@
 //! or while the model streams, the restarted process takes the session over once the lease
 //! runs out, fails the interrupted call instead of running it again, and the session
 //! continues to the end; stopped with SIGTERM, it hands its claims back and the restarted
-//! process takes over at once, even with a long lease.
+//! process takes over at once, even with a long lease. A step waiting for a permission
+//! reply holds no claim: a kill leaves it waiting, and the reply after the restart runs
+//! the tool once.
 
 use futures::StreamExt;
 use keel_client::schema::api::{LogItem, PromptRequest};
@@ -220,4 +222,72 @@ async fn sigterm_hands_the_claims_back_so_a_restart_takes_over_at_once() {
         &e.event,
         DurableEvent::TextEnded(t) if t.text == "Resumed without waiting for the lease."
     )));
+}
+
+#[tokio::test]
+async fn a_permission_pending_across_a_kill_is_answered_after_the_restart_and_the_tool_runs_once() {
+    let config = format!("{CONFIG}[agent.build.permissions]\nbash = \"ask\"\n");
+    let script = json!({ "responses": [
+        { "items": [{ "type": "tool_call", "name": "bash", "input": {
+            "command": "echo ran >> runs.txt"
+        }}]},
+        { "items": [{ "type": "text", "text": "Ran it after the restart." }] }
+    ]})
+    .to_string();
+    let mut server = Server::start_with(
+        &[("keel.toml", &config), ("script.json", &script)],
+        &["--config", "keel.toml", "--lease-ms", "1000"],
+    );
+    let client = Client::new(&server.base_url).unwrap();
+    let session = client.create_session(&Default::default()).await.unwrap().id;
+    let mut log = client.session_log(session, 0);
+    client
+        .prompt(session, &PromptRequest::text("run it"))
+        .await
+        .unwrap();
+    let before = read_until(
+        &mut log,
+        |e| matches!(&e.event, DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Awaiting),
+    )
+    .await;
+    let request = before
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::PermissionRequested(r) => Some(r.request_id),
+            _ => None,
+        })
+        .expect("the model asked for permission");
+    drop(log);
+
+    server.kill_and_restart();
+    let client = Client::new(&server.base_url).unwrap();
+    let status = client.session_status(session).await.unwrap();
+    assert!(!status.busy, "{status:?}");
+    assert_eq!(status.awaiting_replies, 1, "{status:?}");
+    let mut log = client.session_log(session, before.last().unwrap().seq);
+    let once = keel_client::schema::api::PermissionReply {
+        decision: keel_client::schema::types::Decision::Once,
+    };
+    assert!(
+        client
+            .reply_permission(session, request, &once)
+            .await
+            .unwrap()
+            .accepted
+    );
+    let after = tokio::time::timeout(PATIENCE, read_until(&mut log, succeeded))
+        .await
+        .expect("the reply resumes the step after the restart");
+    let kinds = kinds(&after);
+    assert!(!kinds.contains(&"step.recovered"), "{kinds:?}");
+    assert_eq!(kinds[0], "permission.replied", "{kinds:?}");
+    assert!(kinds.contains(&"tool.success"), "{kinds:?}");
+    assert!(after.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::TextEnded(t) if t.text == "Ran it after the restart."
+    )));
+    let runs = std::fs::read_to_string(server.directory().join("runs.txt")).unwrap();
+    assert_eq!(runs.lines().count(), 1, "{runs}");
+    let status = client.session_status(session).await.unwrap();
+    assert_eq!(status.awaiting_replies, 0, "{status:?}");
 }

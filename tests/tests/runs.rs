@@ -239,6 +239,28 @@ async fn a_permission_answered_through_the_api_lets_the_tool_run_or_fails_it() {
     };
     assert_eq!(request.tool, "write");
     assert!(!server.directory().join("note.txt").exists());
+    // A reply of the wrong kind is a conflict, and the call still waits.
+    let wrong = client
+        .reply_question(
+            allowed,
+            request.request_id,
+            &keel_client::schema::api::QuestionReply::Answer {
+                answer: "yes".into(),
+            },
+        )
+        .await;
+    assert!(
+        matches!(
+            wrong,
+            Err(Error::Api {
+                kind: ErrorType::Conflict,
+                ..
+            })
+        ),
+        "{wrong:?}"
+    );
+    let status = client.session_status(allowed).await.unwrap();
+    assert_eq!(status.awaiting_replies, 1, "{status:?}");
     let once = PermissionReply {
         decision: Decision::Once,
     };
@@ -246,7 +268,7 @@ async fn a_permission_answered_through_the_api_lets_the_tool_run_or_fails_it() {
         .reply_permission(allowed, request.request_id, &once)
         .await
         .unwrap();
-    let events = read_until(&mut log, "execution.settled").await;
+    let events = read_until(&mut log, "step.ended").await;
     let kinds: Vec<&str> = events.iter().map(kind).collect();
     assert!(kinds.contains(&"permission.replied"), "{kinds:?}");
     assert!(kinds.contains(&"tool.success"), "{kinds:?}");
@@ -262,7 +284,7 @@ async fn a_permission_answered_through_the_api_lets_the_tool_run_or_fails_it() {
         matches!(
             again,
             Err(Error::Api {
-                kind: ErrorType::NotFound | ErrorType::Conflict,
+                kind: ErrorType::Conflict,
                 ..
             })
         ),
@@ -289,7 +311,7 @@ async fn a_permission_answered_through_the_api_lets_the_tool_run_or_fails_it() {
         .reply_permission(rejected, request.request_id, &reject)
         .await
         .unwrap();
-    let events = read_until(&mut log, "execution.settled").await;
+    let events = read_until(&mut log, "step.interrupted").await;
     let failed = events
         .iter()
         .find_map(|e| match &e.event {

@@ -317,6 +317,26 @@ pub fn read_raw(
     rows.into_iter().map(EventRow::into_raw).collect()
 }
 
+/// The session's latest event of type `type_name` with seq greater than `after`, decoded:
+/// a read of one step's record that does not decode the whole step.
+pub fn latest_of_type(
+    connection: &mut Conn,
+    session_id: SessionId,
+    after: u64,
+    type_name: &str,
+) -> Result<Option<Envelope>, Error> {
+    let row: Option<EventRow> = event::table
+        .filter(event::session_id.eq(session_id.to_string()))
+        .filter(event::seq.gt(db_int(after)?))
+        .filter(event::type_name.eq(type_name))
+        .order(event::seq.desc())
+        .select(EventRow::as_select())
+        .first(connection)
+        .optional()?;
+    row.map(|row| decode(session_id, row.into_raw()?))
+        .transpose()
+}
+
 /// The session's events with seq greater than `after`, at most `limit`, decoded into the
 /// latest shapes.
 pub fn read(
@@ -327,15 +347,18 @@ pub fn read(
 ) -> Result<Vec<Envelope>, Error> {
     read_raw(connection, session_id, after, limit)?
         .into_iter()
-        .map(|raw| {
-            let seq = raw.seq;
-            raw.decode().map_err(|source| Error::Decode {
-                session: session_id,
-                seq,
-                source,
-            })
-        })
+        .map(|raw| decode(session_id, raw))
         .collect()
+}
+
+/// Decodes a stored event into the latest shape.
+fn decode(session_id: SessionId, raw: RawEvent) -> Result<Envelope, Error> {
+    let seq = raw.seq;
+    raw.decode().map_err(|source| Error::Decode {
+        session: session_id,
+        seq,
+        source,
+    })
 }
 
 /// The seq of the session's latest event, or `None` if there is no such session.

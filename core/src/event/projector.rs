@@ -26,10 +26,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use self::statements::{
-    AddUsage, CancelInput, InsertMessage, PromoteInput, RequestExecution, SetAgent, SetDeleted,
-    SetModel, SetTitle,
+    AddUsage, AnswerRequest, CancelInput, InsertMessage, InsertRequest, PromoteInput,
+    RequestExecution, SetAgent, SetDeleted, SetModel, SetTitle,
 };
 use super::view::InputRow;
+use crate::request::{Kind, Reply};
 use crate::store::column::{db_int, text_of};
 use crate::store::fixed::Execute;
 use crate::store::schema::{session, session_input};
@@ -201,14 +202,21 @@ impl Projection<'_> {
                     error: e.error.clone(),
                 },
             ),
-            // Permission requests and questions are read from the log by the runner that
-            // waits on them; they project into no table of this schema.
-            DurableEvent::PermissionRequested(_)
-            | DurableEvent::PermissionReplied(_)
-            | DurableEvent::QuestionAsked(_)
-            | DurableEvent::QuestionAnswered(_)
-            | DurableEvent::QuestionDismissed(_)
-            | DurableEvent::RetryScheduled(_) => Ok(()),
+            DurableEvent::PermissionRequested(e) => {
+                self.asked(e.request_id, e.call_id, Kind::Permission, &e.tool)
+            }
+            DurableEvent::QuestionAsked(e) => {
+                self.asked(e.request_id, e.call_id, Kind::Question, "question")
+            }
+            DurableEvent::PermissionReplied(e) => {
+                self.answered(e.request_id, &Reply::Permission(e.decision))
+            }
+            DurableEvent::QuestionAnswered(e) => {
+                self.answered(e.request_id, &Reply::Answer(e.answer.clone()))
+            }
+            DurableEvent::QuestionDismissed(e) => self.answered(e.request_id, &Reply::Dismiss),
+            DurableEvent::RetryScheduled(_) => Ok(()),
+            DurableEvent::StepAwaiting(e) => self.step_awaiting(e),
             DurableEvent::StepEnded(e) => self.end_step(
                 e.assistant_message_id,
                 StepEnd::Ended { finish: e.finish },
@@ -259,6 +267,52 @@ impl Projection<'_> {
                 self.add_usage(e.usage, 0.0)
             }
             DurableEvent::CompactionFailed(_) => Ok(()),
+        }
+    }
+
+    // --- requests for a person ------------------------------------------------------------
+
+    fn asked(
+        &mut self,
+        request: keel_schema::id::RequestId,
+        call: keel_schema::id::CallId,
+        kind: Kind,
+        tool: &str,
+    ) -> Result<(), Error> {
+        let asked_seq = self.seq()?;
+        self.run(InsertRequest {
+            id: &request.to_string(),
+            session_id: self.session_id,
+            call_id: &call.to_string(),
+            kind: kind.as_str(),
+            tool,
+            asked_seq,
+        })
+    }
+
+    /// A reply: the request must be pending, of the reply's kind, in this session.
+    fn answered(
+        &mut self,
+        request: keel_schema::id::RequestId,
+        reply: &Reply,
+    ) -> Result<(), Error> {
+        let written = serde_json::to_string(reply)
+            .map_err(|err| self.refuse(format!("the reply does not serialize: {err}")))?;
+        let updated = AnswerRequest {
+            id: &request.to_string(),
+            session_id: self.session_id,
+            kind: reply.kind().as_str(),
+            reply: &written,
+            always: *reply == Reply::Permission(keel_schema::types::Decision::Always),
+        }
+        .execute_on(self.connection)?;
+        if updated == 1 {
+            Ok(())
+        } else {
+            Err(self.refuse(format!(
+                "no pending {} request {request} in this session",
+                reply.kind().as_str()
+            )))
         }
     }
 

@@ -7,17 +7,137 @@
 //! the session's settings, the decision whether a step follows ([`next_step`]) and, when
 //! nothing must come before it, that step's `step.started`.
 
-use keel_schema::api::{Message, StepEnd};
+use keel_schema::api::{AssistantPart, Message, StepEnd};
+use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{MessageId, SessionId};
-use keel_schema::types::Finish;
+use keel_schema::types::{Finish, Outcome, Usage};
 use tokio_util::sync::CancellationToken;
 
+use super::engine::lock;
 use super::fence::Held;
+use super::step::Parked;
+use super::translate::Launch;
 use super::{Engine, Error, compaction, step};
 use crate::coordinator::Request;
 use crate::event::log;
 use crate::event::view::{self, Transcript};
+use crate::execution;
 use crate::inbox::{self, Boundary, Promotion};
+use crate::request::{self, Kind};
+use crate::store::{self, Conn};
+
+/// What a boundary's transaction decided.
+enum AtBoundary {
+    /// The session's step waits for a person and no reply can be acted on yet: its claim
+    /// was released (`execution.settled`, outcome `awaiting`) in the same transaction, so
+    /// a reply committing later finds no claim and its wake claims afresh.
+    HandedBack(Vec<Envelope>),
+    /// The session's step waited for a person and a reply can be acted on.
+    Resume {
+        parked: Parked,
+        written: Vec<Envelope>,
+        transcript: Transcript,
+        info: Option<view::SessionInfo>,
+    },
+    /// The ordinary boundary: promotion, and the step that follows, if any.
+    Next {
+        promotion: Promotion,
+        written: Vec<Envelope>,
+        transcript: Transcript,
+        info: Option<view::SessionInfo>,
+        next: Option<u32>,
+        started: Option<(MessageId, u64)>,
+    },
+}
+
+/// Whether any of a waiting step's requests can be acted on: one was answered, or a
+/// permission's tool has been allowed `always` since it was asked.
+fn any_actionable(
+    connection: &mut Conn,
+    session: SessionId,
+    open: &[request::Open],
+) -> Result<bool, store::Error> {
+    for open in open {
+        if open.reply.is_some()
+            || (open.kind == Kind::Permission
+                && request::always_allowed(connection, session, &open.tool)?)
+        {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The waiting step as the log left it: the transcript's last assistant message (open),
+/// how its response finished (its `step.awaiting`), and the calls of `open`.
+fn parked(
+    connection: &mut Conn,
+    session: SessionId,
+    messages: &[Message],
+    open: Vec<request::Open>,
+) -> Result<Parked, Error> {
+    let corrupt = |what: String| Error::from(store::Error::Corrupt(what));
+    let last = messages
+        .iter()
+        .rev()
+        .find(|m| matches!(m, Message::Assistant { .. }));
+    let Some(Message::Assistant {
+        id,
+        seq,
+        step,
+        parts,
+        end: None,
+        ..
+    }) = last
+    else {
+        return Err(corrupt(format!(
+            "session {session} has open requests but no open step"
+        )));
+    };
+    let kind = DurableEvent::StepAwaiting(payload::StepAwaiting {
+        assistant_message_id: *id,
+        finish: Finish::Other,
+        usage: Usage::default(),
+    })
+    .type_name();
+    let awaiting = log::latest_of_type(connection, session, *seq, kind)?;
+    let Some(DurableEvent::StepAwaiting(awaiting)) = awaiting.map(|e| e.event) else {
+        return Err(corrupt(format!("step {id} waits without a step.awaiting")));
+    };
+    let waiting = open
+        .into_iter()
+        .map(|open| {
+            let launch = parts.iter().find_map(|part| match part {
+                AssistantPart::Tool {
+                    call_id,
+                    name,
+                    input,
+                    ..
+                } if *call_id == open.call_id => Some(Launch {
+                    call_id: *call_id,
+                    name: name.clone(),
+                    input: input.clone(),
+                }),
+                _ => None,
+            });
+            match launch {
+                Some(launch) => Ok((open, launch)),
+                None => Err(corrupt(format!(
+                    "request {} names call {} that step {id} did not make",
+                    open.id, open.call_id
+                ))),
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Parked {
+        assistant: *id,
+        seq: *seq,
+        number: *step,
+        finish: awaiting.finish,
+        usage: awaiting.usage,
+        waiting,
+    })
+}
 
 impl Engine {
     /// One drain: promotion at boundaries, steps until the model stops or nothing is left.
@@ -43,16 +163,44 @@ impl Engine {
                 }
                 return Err(Error::Interrupted);
             }
-            let ending = ended.take().map(|e| (e.assistant, e.closing));
-            let assistant = ending.as_ref().map(|(assistant, _)| *assistant);
+            let ending = ended.take();
+            let assistant = ending.as_ref().map(|e| e.assistant);
+            // A step waiting for a person is looked for where one can be: at the first
+            // boundary (a reply woke the session) and after a step that asked.
+            let look_for_waits = first || ending.as_ref().is_some_and(|e| e.awaiting);
             let (settings, claim, force) = (self.settings.clone(), held.claim, request.force);
             let counted = step_number;
             let boundary_work = self
                 .fenced(&held, move |c, now| {
                     let mut written = match ending {
-                        Some((_, closing)) => log::append(c, now, session, closing)?,
+                        Some(ended) => log::append(c, now, session, ended.closing)?,
                         None => Vec::new(),
                     };
+                    if look_for_waits {
+                        let open = request::open(c, session)?;
+                        if !open.is_empty() {
+                            if !any_actionable(c, session, &open)? {
+                                written.push(execution::release(
+                                    c,
+                                    now,
+                                    settings.lease_ms,
+                                    &claim,
+                                    Outcome::Awaiting,
+                                    None,
+                                )?);
+                                return Ok(AtBoundary::HandedBack(written));
+                            }
+                            transcript.refresh(c, session)?;
+                            let parked = parked(c, session, transcript.messages(), open)?;
+                            let info = view::session_info(c, session)?;
+                            return Ok(AtBoundary::Resume {
+                                parked,
+                                written,
+                                transcript,
+                                info,
+                            });
+                        }
+                    }
                     let promotion = inbox::promote_into(c, now, session, boundary, &mut written)?;
                     transcript.refresh(c, session)?;
                     let info = view::session_info(c, session)?;
@@ -74,11 +222,49 @@ impl Engine {
                         }
                         _ => None,
                     };
-                    Ok((promotion, written, transcript, info, next, started))
+                    Ok(AtBoundary::Next {
+                        promotion,
+                        written,
+                        transcript,
+                        info,
+                        next,
+                        started,
+                    })
                 })
                 .await;
             let (promotion, envelopes, refreshed, info, next, started) = match boundary_work {
-                Ok(done) => done,
+                Ok(AtBoundary::Next {
+                    promotion,
+                    written,
+                    transcript,
+                    info,
+                    next,
+                    started,
+                }) => (promotion, written, transcript, info, next, started),
+                Ok(AtBoundary::HandedBack(written)) => {
+                    // The claim is gone with the transaction: nothing runs this session
+                    // until a reply (or an interrupt) claims it afresh.
+                    lock(&self.held).remove(&session);
+                    self.publish(&written);
+                    return Ok(());
+                }
+                Ok(AtBoundary::Resume {
+                    parked,
+                    written,
+                    transcript: refreshed,
+                    info,
+                }) => {
+                    transcript = refreshed;
+                    self.publish(&written);
+                    first = false;
+                    step_number = parked.number;
+                    let info =
+                        info.ok_or_else(|| Error::Config(format!("no session {session}")))?;
+                    let step = self.resume_step(&held, parked, info, &cancel).await?;
+                    boundary = step.boundary_after();
+                    ended = Some(step);
+                    continue;
+                }
                 Err(error) => {
                     if let Some(assistant) = assistant {
                         self.step_not_closed(&held, assistant, &error).await;
@@ -121,16 +307,14 @@ impl Engine {
                     &cancel,
                 )
                 .await?;
-            boundary = if step.summary.continues() {
-                Boundary::Step
-            } else {
-                Boundary::Idle
-            };
+            boundary = step.boundary_after();
             ended = Some(step);
         }
     }
 
-    /// Writes a step's end on its own (the drain stops before another boundary).
+    /// Writes a step's end on its own (the drain stops before another boundary). A step
+    /// that waits for a person is written like any other; the interrupt's cleanup then
+    /// ends it.
     async fn close_step(&self, held: &Held, ended: step::Ended) -> Result<(), Error> {
         let assistant = ended.assistant;
         if let Err(error) = self.commit(held, ended.closing).await {

@@ -1,6 +1,5 @@
 //! The engine: the coordinator's [`Work`] for sessions, and what every part of the runner
-//! shares (the store, the settings, the claims this process holds, the live hub, the
-//! replies awaited).
+//! shares (the store, the settings, the claims this process holds, the live hub).
 //!
 //! A busy period: `started` claims the session (`execution.started`), `drain` runs
 //! ([`super::drain`]), `cleanup` settles an interrupted execution in one fenced
@@ -11,13 +10,12 @@ use std::sync::{Arc, Mutex};
 
 use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, payload};
-use keel_schema::id::{MessageId, RequestId, SessionId};
+use keel_schema::id::{MessageId, SessionId};
 use keel_schema::types::{ErrorInfo, InterruptReason, ModelRef, Outcome};
-use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::fence::{Held, Ownership};
-use super::{Agent, Error, Forwarder, Reply, Settings, live};
+use super::{Agent, Error, Forwarder, Settings, live};
 use crate::coordinator::{BoxFuture, Request, Work};
 use crate::event::{log, view};
 use crate::execution;
@@ -32,7 +30,6 @@ pub struct Engine {
     pub(super) specs: Arc<[ToolSpec]>,
     pub(super) held: Mutex<HashMap<SessionId, Held>>,
     pub(super) live: live::Hub,
-    pub(super) waiting: Mutex<HashMap<RequestId, oneshot::Sender<Reply>>>,
     /// Where wakes for sessions another node holds go (set once, on PostgreSQL).
     pub(super) forwarder: std::sync::OnceLock<Arc<dyn Forwarder>>,
 }
@@ -45,7 +42,6 @@ impl Engine {
             settings: Arc::new(settings),
             held: Mutex::new(HashMap::new()),
             live: live::Hub::default(),
-            waiting: Mutex::new(HashMap::new()),
             forwarder: std::sync::OnceLock::new(),
         }
     }
@@ -83,13 +79,6 @@ impl Engine {
         self.store
             .read(move |c| view::messages(c, session).map_err(Error::from))
             .await
-    }
-
-    /// Registers a waiter for a reply to `request`.
-    pub(super) fn wait_for(&self, request: RequestId) -> oneshot::Receiver<Reply> {
-        let (tx, rx) = oneshot::channel();
-        lock(&self.waiting).insert(request, tx);
-        rx
     }
 
     /// Releases `held`'s claim with `execution.settled`, retrying a failed commit a few
@@ -185,6 +174,38 @@ impl Engine {
     }
 }
 
+/// The end of an interrupted execution, in the caller's transaction: `step.interrupted`
+/// for its step still open, if any (failing the calls it left), then the release.
+pub(super) fn interrupt_and_release(
+    connection: &mut crate::store::Conn,
+    now: i64,
+    lease_ms: i64,
+    claim: &execution::Claim,
+    open_step: Option<MessageId>,
+) -> Result<Vec<keel_schema::event::Envelope>, Error> {
+    let mut written = Vec::new();
+    if let Some(assistant) = open_step {
+        written.extend(log::append(
+            connection,
+            now,
+            claim.session_id,
+            vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
+                assistant_message_id: assistant,
+                reason: InterruptReason::User,
+            })],
+        )?);
+    }
+    written.push(execution::release(
+        connection,
+        now,
+        lease_ms,
+        claim,
+        Outcome::Interrupted,
+        None,
+    )?);
+    Ok(written)
+}
+
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Poisoning means a panic elsewhere mid-update of a plain map; the map itself is fine.
     mutex
@@ -265,33 +286,14 @@ impl Work for Engine {
                 .write(move |c| {
                     let now = clock.now_ms();
                     execution::check(c, now, lease, &claim)?;
-                    let mut envelopes = Vec::new();
                     let row = execution::get(c, session)?;
-                    if let Some(assistant) = row.and_then(|r| r.assistant_message_id) {
-                        let open = view::messages(c, session)?.into_iter().any(|m| {
+                    let open = match row.and_then(|r| r.assistant_message_id) {
+                        Some(assistant) => view::messages(c, session)?.into_iter().any(|m| {
                             matches!(m, Message::Assistant { id, end: None, .. } if id == assistant)
-                        });
-                        if open {
-                            envelopes.extend(log::append(
-                                c,
-                                now,
-                                session,
-                                vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
-                                    assistant_message_id: assistant,
-                                    reason: InterruptReason::User,
-                                })],
-                            )?);
-                        }
-                    }
-                    envelopes.push(execution::release(
-                        c,
-                        now,
-                        lease,
-                        &claim,
-                        Outcome::Interrupted,
-                        None,
-                    )?);
-                    Ok::<_, Error>(envelopes)
+                        }).then_some(assistant),
+                        None => None,
+                    };
+                    interrupt_and_release(c, now, lease, &claim, open)
                 })
                 .await;
             match written {

@@ -5,29 +5,21 @@ use std::sync::atomic::Ordering;
 
 use keel_schema::event::Envelope;
 use keel_schema::id::{OwnerId, RequestId, SessionId};
-use keel_schema::types::{Decision, Phase};
+use keel_schema::types::Phase;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::{Engine, lock};
+use super::engine::{Engine, interrupt_and_release, lock};
 use super::{Error, Live, Settings, live};
 use crate::coordinator::{Coordinator, RunError, Scope};
 use crate::execution;
+use crate::request::{self, Reply};
 use crate::store::{self, Store};
 
 /// Where a wake goes when another node holds the session's claim.
 pub trait Forwarder: Send + Sync {
     /// `owner` holds `session`'s claim; tell it there is work.
     fn forward_wake(&self, owner: OwnerId, session: SessionId);
-}
-
-/// A reply to a permission request or a question.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Reply {
-    Permission(Decision),
-    Answer(String),
-    Dismiss,
 }
 
 /// The handle the service uses to run sessions.
@@ -109,7 +101,17 @@ impl Runner {
 
     /// Interrupts the session's execution: phase `cancelling` (fenced), then the runner's
     /// cancellation. Returns before cleanup finishes; false when there was nothing to stop.
+    /// A step that waits for a person, with nobody running it, is ended right here.
     pub async fn interrupt(&self, session: SessionId) -> bool {
+        if !self.is_busy(session) {
+            match self.interrupt_waiting(session).await {
+                Ok(true) => return true,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "could not end the waiting step");
+                }
+            }
+        }
         let engine = self.engine();
         if let Some(held) = engine.held(session) {
             let claim = held.claim;
@@ -123,6 +125,34 @@ impl Runner {
             }
         }
         self.coordinator.interrupt(&session)
+    }
+
+    /// Ends a step that waits for a person while no process holds the session: in one
+    /// transaction the session is claimed, the step gets `step.interrupted` (which fails
+    /// its unanswered calls and settles their requests) and the claim is released. False
+    /// when no step waits, or another process holds the session.
+    async fn interrupt_waiting(&self, session: SessionId) -> Result<bool, Error> {
+        let engine = self.engine();
+        let (owner, lease) = (engine.settings.owner, engine.settings.lease_ms);
+        let clock = engine.store.clock().clone();
+        let written = engine
+            .store
+            .write(move |c| {
+                let Some(step) = request::waiting_step(c, session)? else {
+                    return Ok(Vec::new());
+                };
+                let now = clock.now_ms();
+                let Some((claim, started)) = execution::acquire(c, now, lease, session, owner)?
+                else {
+                    return Ok(Vec::new());
+                };
+                let mut written = vec![started];
+                written.extend(interrupt_and_release(c, now, lease, &claim, Some(step))?);
+                Ok::<_, Error>(written)
+            })
+            .await?;
+        engine.publish(&written);
+        Ok(!written.is_empty())
     }
 
     /// Renews the leases of the executions this process runs, every third of the lease,
@@ -173,13 +203,22 @@ impl Runner {
         Ok(renewed)
     }
 
-    /// Delivers a reply to a waiting permission request or question. False when nothing
-    /// in this process waits for it.
-    pub fn reply(&self, request: RequestId, reply: Reply) -> bool {
-        let waiter = lock(&self.engine().waiting).remove(&request);
-        match waiter {
-            Some(waiter) => waiter.send(reply).is_ok(),
-            None => false,
-        }
+    /// Commits `reply` to `request` of `session` and wakes the session, which resumes the
+    /// step that waits for it on whichever node claims it. Returns once the reply is
+    /// durable; a refused reply wrote nothing.
+    pub async fn reply(
+        &self,
+        session: SessionId,
+        request: RequestId,
+        reply: Reply,
+    ) -> Result<(), request::Error> {
+        let clock = self.store().clock().clone();
+        let written = self
+            .store()
+            .write(move |c| request::answer(c, clock.now_ms(), session, request, &reply))
+            .await?;
+        self.publish(&written);
+        self.wake(session, Scope::Input);
+        Ok(())
     }
 }

@@ -38,9 +38,10 @@ mod translate;
 
 use engine::Engine;
 
+pub use crate::request::Reply;
 pub use compaction::{ModelLimits, needs_compaction};
 pub use error::Error;
-pub use handle::{Forwarder, Reply, Runner};
+pub use handle::{Forwarder, Runner};
 pub use live::Live;
 pub use retry::RetryPolicy;
 pub use settings::{Agent, Policy, Settings};

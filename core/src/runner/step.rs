@@ -18,7 +18,9 @@
 //! ends, the result of the last one held for the step's end; a hosted call left unresolved
 //! at the end of the stream fails ([`super::translate`]). Each step ends in exactly one of
 //! `step.ended`, `step.failed` or `step.interrupted`; a step that ended leaves those
-//! closing events to the drain ([`Ended`]). Before any output a retryable failure is sent
+//! closing events to the drain ([`Ended`]). A step whose only calls left wait for a person
+//! writes `step.awaiting` instead and stays open: the drain hands its execution back, and
+//! a later drain takes it up again ([`Step::resume`], [`crate::request`]). Before any output a retryable failure is sent
 //! again after a backoff ([`super::retry`]) and a context overflow compacts the history
 //! once and sends the request again ([`super::compaction`]); after output, a failure is
 //! the step's error.
@@ -34,14 +36,16 @@ use futures::{FutureExt, StreamExt};
 use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, payload};
 use keel_schema::id::{CallId, MessageId};
-use keel_schema::types::{CompactionReason, Effect, Finish, InterruptReason, Phase, Usage};
+use keel_schema::types::{
+    CompactionReason, Effect, ErrorInfo, Finish, InterruptReason, Phase, Usage,
+};
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use super::burst::Burst;
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::fence::Held;
-use super::tools::{Done, QUESTION, result_event};
+use super::tools::{QUESTION, Ran, result_event};
 use super::translate::Translator;
 use super::{Agent, Engine, Error, context};
 use crate::event::view;
@@ -99,8 +103,24 @@ pub(super) fn start_step(
 pub struct Ended {
     pub summary: StepSummary,
     pub assistant: MessageId,
-    /// The last calls' results, the closing of open fragments, and the terminal event.
+    /// The last calls' results, the closing of open fragments, and the terminal event
+    /// (or `step.awaiting`).
     pub closing: Vec<DurableEvent>,
+    /// The step waits for a person: it has no terminal event yet, and the boundary that
+    /// commits `closing` hands the execution back unless a reply committed meanwhile.
+    pub awaiting: bool,
+}
+
+impl Ended {
+    /// The boundary after this step: a step boundary when a tool-driven continuation
+    /// follows, else an idle one.
+    pub fn boundary_after(&self) -> crate::inbox::Boundary {
+        if self.summary.continues() {
+            crate::inbox::Boundary::Step
+        } else {
+            crate::inbox::Boundary::Idle
+        }
+    }
 }
 
 /// Where the provider's response stands.
@@ -160,6 +180,32 @@ async fn next_event(response: &mut Response) -> Option<Result<Event, provider::E
     }
 }
 
+/// The tools the model may call, with their effects.
+fn known_tools(engine: &Engine) -> HashMap<String, Effect> {
+    let mut known: HashMap<String, Effect> = engine
+        .settings
+        .tools
+        .iter()
+        .map(|t| (t.name().to_owned(), t.effect()))
+        .collect();
+    known.insert(QUESTION.into(), Effect::Read);
+    known
+}
+
+/// A step that waits for a person, as the log left it: what a resumed step starts from.
+#[derive(Debug)]
+pub(super) struct Parked {
+    pub assistant: MessageId,
+    /// The seq of its `step.started`.
+    pub seq: u64,
+    pub number: u32,
+    /// How its response finished, from `step.awaiting`.
+    pub finish: Finish,
+    pub usage: Usage,
+    /// Its calls with an open request, each with the request.
+    pub waiting: Vec<(crate::request::Open, super::translate::Launch)>,
+}
+
 /// One step of a held session, under way.
 pub(super) struct Step<'a> {
     pub(super) engine: &'a Engine,
@@ -173,16 +219,21 @@ pub(super) struct Step<'a> {
     pub(super) directory: Result<PathBuf, String>,
     translator: Translator,
     response: Response,
-    /// Local calls running or waiting for a reply.
-    pub(super) calls: JoinSet<(CallId, Done)>,
+    /// Local calls running.
+    pub(super) calls: JoinSet<(CallId, Ran)>,
+    /// Local calls whose request waits for a person's reply.
+    pub(super) awaiting: Vec<CallId>,
     /// Retries of the request so far.
     retries: u32,
     /// Whether the step compacted already: at most once per logical step.
     compacted: bool,
     /// Whether any local call was made (a continuation follows their results).
     called_tools: bool,
+    /// Whether this step was taken up again after waiting for a person (its
+    /// `step.awaiting` is written already).
+    resumed: bool,
     /// A refused permission or a dismissed question stops the continuation.
-    stopped: Option<InterruptReason>,
+    pub(super) stopped: Option<InterruptReason>,
     pub(super) burst: Burst,
     /// The results of the calls that finished last, held for the step's closing write.
     last_results: Vec<DurableEvent>,
@@ -206,7 +257,35 @@ impl Engine {
         started: Option<(MessageId, u64)>,
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
-        let mut step = Step::start(self, held, number, messages, info, started, cancel).await?;
+        let step = Step::start(self, held, number, messages, info, started, cancel).await?;
+        self.drive(step).await
+    }
+
+    /// Takes up a step that waited for a person (see [`Parked`]) and runs it to its end,
+    /// or to its next wait.
+    pub(super) async fn resume_step(
+        &self,
+        held: &Held,
+        parked: Parked,
+        info: view::SessionInfo,
+        cancel: &CancellationToken,
+    ) -> Result<Ended, Error> {
+        let assistant = parked.assistant;
+        match Step::resume(self, held, parked, info, cancel).await {
+            Ok(step) => self.drive(step).await,
+            Err(error) => {
+                if error.breaks_step() {
+                    self.fail_step(held, assistant, &error).await;
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Runs a started step to its end; one that breaks off is failed with every call
+    /// joined first.
+    async fn drive(&self, mut step: Step<'_>) -> Result<Ended, Error> {
+        let held = step.held;
         match step.run().await {
             Err(error) if error.breaks_step() => {
                 // Any write of the step may have failed; settle it so it ends with exactly
@@ -239,13 +318,6 @@ impl<'a> Step<'a> {
         let agent = engine.agent(&info.agent)?;
         let provider = engine.provider(&info.model)?;
         let last_step = number >= agent.max_steps;
-        let mut known: HashMap<String, Effect> = engine
-            .settings
-            .tools
-            .iter()
-            .map(|t| (t.name().to_owned(), t.effect()))
-            .collect();
-        known.insert(QUESTION.into(), Effect::Read);
         let limits = engine.limits(&info.model);
         let mut request = provider::Request {
             model: info.model.clone(),
@@ -296,14 +368,81 @@ impl<'a> Step<'a> {
         if !engine.owns(held) {
             return Err(Error::OwnershipLost(session));
         }
-        let directory = std::fs::canonicalize(&info.directory).map_err(|e| {
-            format!(
-                "the session directory {} is not usable: {e}",
-                info.directory
-            )
-        });
         let response = Response::streaming(provider.stream(&request));
-        Ok(Self {
+        let translator = Translator::new(assistant, known_tools(engine), last_step);
+        let mut step = Self::assemble(
+            engine,
+            held,
+            agent,
+            provider,
+            request,
+            (assistant, assistant_seq),
+            &info.directory,
+            translator,
+            response,
+            cancel,
+        );
+        step.compacted = compacted;
+        Ok(step)
+    }
+
+    /// A step that waited for a person, taken up again from the log: its response is
+    /// over (`step.awaiting` recorded how it finished), and the replies that committed
+    /// meanwhile are acted on ([`Step::act_on_replies`]).
+    async fn resume(
+        engine: &'a Engine,
+        held: &'a Held,
+        parked: Parked,
+        info: view::SessionInfo,
+        cancel: &'a CancellationToken,
+    ) -> Result<Self, Error> {
+        let agent = engine.agent(&info.agent)?;
+        let provider = engine.provider(&info.model)?;
+        // Never sent: the response is over. Kept so the step has one shape.
+        let request = provider::Request {
+            model: info.model.clone(),
+            system: agent.system.clone(),
+            turns: Vec::new(),
+            tools: engine.specs.clone(),
+            tool_choice: ToolChoice::Auto,
+            max_output_tokens: None,
+        };
+        let mut translator = Translator::new(parked.assistant, known_tools(engine), false);
+        translator.finish = Some((parked.finish, parked.usage));
+        let mut step = Self::assemble(
+            engine,
+            held,
+            agent,
+            provider,
+            request,
+            (parked.assistant, parked.seq),
+            &info.directory,
+            translator,
+            Response::Over(Over::Ended),
+            cancel,
+        );
+        step.called_tools = true;
+        step.resumed = true;
+        step.act_on_replies(parked.waiting).await?;
+        Ok(step)
+    }
+
+    #[allow(clippy::too_many_arguments)] // The parts a step starts from; one call site each.
+    fn assemble(
+        engine: &'a Engine,
+        held: &'a Held,
+        agent: Agent,
+        provider: Arc<dyn Provider>,
+        request: provider::Request,
+        (assistant, assistant_seq): (MessageId, u64),
+        directory: &str,
+        translator: Translator,
+        response: Response,
+        cancel: &'a CancellationToken,
+    ) -> Self {
+        let directory = std::fs::canonicalize(directory)
+            .map_err(|e| format!("the session directory {directory} is not usable: {e}"));
+        Self {
             engine,
             held,
             agent,
@@ -312,18 +451,25 @@ impl<'a> Step<'a> {
             assistant,
             assistant_seq,
             directory,
-            translator: Translator::new(assistant, known, last_step),
+            translator,
             response,
             calls: JoinSet::new(),
+            awaiting: Vec::new(),
             retries: 0,
-            compacted,
+            compacted: false,
             called_tools: false,
+            resumed: false,
             stopped: None,
             burst: Burst::default(),
             last_results: Vec::new(),
             cancel,
             calls_cancel: cancel.child_token(),
-        })
+        }
+    }
+
+    /// The step's assistant message and the seq of its `step.started`.
+    pub(super) fn open_step(&self) -> (MessageId, u64) {
+        (self.assistant, self.assistant_seq)
     }
 
     /// Drives the step until its response is over and its calls are joined, then ends it.
@@ -441,24 +587,19 @@ impl<'a> Step<'a> {
         }
     }
 
-    /// A local call finished (or got its reply): its result is recorded, or held for the
-    /// step's end when it is the step's last word.
+    /// A local call finished: its result is recorded, or held for the step's end when it
+    /// is the step's last word.
     async fn on_tool_done(
         &mut self,
-        joined: Result<(CallId, Done), JoinError>,
+        joined: Result<(CallId, Ran), JoinError>,
     ) -> Result<(), Error> {
-        let (call_id, done) = joined.map_err(|e| Error::ToolTask(Arc::new(e)))?;
-        match done {
-            Done::Ran(result) if self.response.is_finished() && self.calls.is_empty() => {
-                self.last_results.push(result_event(call_id, result));
-            }
-            done => {
-                if let Some(reason) = self.settle_call(call_id, done).await? {
-                    self.stopped.get_or_insert(reason);
-                }
-            }
+        let (call_id, result) = joined.map_err(|e| Error::ToolTask(Arc::new(e)))?;
+        if self.response.is_finished() && self.calls.is_empty() {
+            self.last_results.push(result_event(call_id, result));
+            Ok(())
+        } else {
+            self.settle_call(call_id, result).await
         }
-        Ok(())
     }
 
     /// The request was refused as too long before any output: compact once, then send it
@@ -562,6 +703,16 @@ impl<'a> Step<'a> {
             ),
             (Some(error), None) => {
                 let info = error.info();
+                // Calls asked about a moment ago cannot be answered any more.
+                closing.extend(self.awaiting.drain(..).map(|call_id| {
+                    DurableEvent::ToolFailed(payload::ToolFailed {
+                        call_id,
+                        error: ErrorInfo::new(
+                            "tool.step-failed",
+                            "the step failed before this call was answered",
+                        ),
+                    })
+                }));
                 closing.push(DurableEvent::StepFailed(payload::StepFailed {
                     assistant_message_id: assistant,
                     error: info.clone(),
@@ -569,6 +720,28 @@ impl<'a> Step<'a> {
                 }));
                 self.engine.commit(self.held, closing).await?;
                 return Err(Error::StepFailed(info));
+            }
+            (None, None) if !self.awaiting.is_empty() => {
+                // Only calls waiting for a person are left: the step waits, its execution
+                // handed back at the next boundary ([`Ended::awaiting`]).
+                let (finish, usage) = finish.unwrap_or((Finish::Other, Usage::default()));
+                if !self.resumed {
+                    closing.push(DurableEvent::StepAwaiting(payload::StepAwaiting {
+                        assistant_message_id: assistant,
+                        finish,
+                        usage,
+                    }));
+                }
+                return Ok(Ended {
+                    summary: StepSummary {
+                        finish: Some(finish),
+                        called_tools: self.called_tools,
+                        stopped: false,
+                    },
+                    assistant,
+                    closing,
+                    awaiting: true,
+                });
             }
             (None, None) => {
                 let (finish, usage) = finish.unwrap_or((Finish::Other, Usage::default()));
@@ -592,6 +765,7 @@ impl<'a> Step<'a> {
             summary,
             assistant,
             closing,
+            awaiting: false,
         })
     }
 }

@@ -1,21 +1,27 @@
-//! A step's local calls: permission policies, questions, starting tools, and recording
-//! how each call ended. Every write goes through the fence; a tool starts only while this
-//! process owns the execution. These are methods of [`Step`], whose set of running calls
-//! and cancellation they extend.
+//! A step's local calls: permission policies, questions, starting tools, recording how
+//! each call ended, and acting on the replies a resumed step finds. Every write goes
+//! through the fence; a tool starts only while this process owns the execution. These are
+//! methods of [`Step`], whose set of running calls and cancellation they extend.
+//!
+//! A call that needs a person (policy `ask`, or the `question` tool) commits its request
+//! and joins the step's `awaiting` calls; nothing waits for the reply in memory. The step
+//! ends its response with `step.awaiting` when those are all that is left, and resumes
+//! from the log once replies commit ([`crate::request`]).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use keel_schema::event::{DurableEvent, EphemeralEvent, payload};
 use keel_schema::id::{CallId, RequestId};
-use keel_schema::types::{Decision, ErrorInfo, InterruptReason, ToolContent};
+use keel_schema::types::{Decision, ErrorInfo, InterruptReason, Phase, ToolContent};
 use serde_json::{Value, json};
 
 use super::fence::Held;
 use super::step::Step;
 use super::translate::Launch;
-use super::{Engine, Error, Live, Policy, Reply};
+use super::{Engine, Error, Live, Policy};
+use crate::execution;
 use crate::provider::ToolSpec;
+use crate::request::{self, Reply};
 use crate::tool;
 
 /// What the built-in `question` tool takes.
@@ -51,21 +57,11 @@ fn question_spec() -> ToolSpec {
     }
 }
 
-/// How a local call ended (or what it waits for next).
-pub(super) enum Done {
-    Ran(Result<tool::Output, tool::Error>),
-    Decided(Decision, Launch),
-    Answered(RequestId, String),
-    Dismissed(RequestId),
-    /// The wait for a reply was interrupted.
-    Abandoned,
-}
+/// How a local call that ran ended.
+pub(super) type Ran = Result<tool::Output, tool::Error>;
 
 /// The durable result of a local call that ran: `tool.success` or `tool.failed`.
-pub(super) fn result_event(
-    call_id: CallId,
-    result: Result<tool::Output, tool::Error>,
-) -> DurableEvent {
+pub(super) fn result_event(call_id: CallId, result: Ran) -> DurableEvent {
     match result {
         Ok(output) => DurableEvent::ToolSuccess(payload::ToolSuccess {
             call_id,
@@ -101,31 +97,18 @@ impl Step<'_> {
                         .collect()
                 })
                 .unwrap_or_default();
-            let request = RequestId::new();
-            let reply = engine.wait_for(request);
             engine
                 .commit(
                     held,
                     vec![DurableEvent::QuestionAsked(payload::QuestionAsked {
-                        request_id: request,
+                        request_id: RequestId::new(),
                         call_id,
                         question,
                         options,
                     })],
                 )
                 .await?;
-            let cancel = self.calls_cancel.clone();
-            self.calls.spawn(async move {
-                let done = tokio::select! {
-                    () = cancel.cancelled() => Done::Abandoned,
-                    reply = reply => match reply {
-                        Ok(Reply::Answer(text)) => Done::Answered(request, text),
-                        Ok(Reply::Dismiss) => Done::Dismissed(request),
-                        Ok(Reply::Permission(_)) | Err(_) => Done::Abandoned,
-                    },
-                };
-                (call_id, done)
-            });
+            self.awaiting.push(call_id);
             return Ok(());
         }
         let policy = self
@@ -134,11 +117,12 @@ impl Step<'_> {
             .get(&launch.name)
             .copied()
             .unwrap_or_default();
-        let policy = if policy == Policy::Ask && engine.always_allowed(held, &launch.name).await? {
-            Policy::Allow
-        } else {
-            policy
-        };
+        let policy =
+            if policy == Policy::Ask && engine.always_allowed(held, launch.name.clone()).await? {
+                Policy::Allow
+            } else {
+                policy
+            };
         match policy {
             Policy::Deny => {
                 engine
@@ -161,14 +145,12 @@ impl Step<'_> {
                     .get(&launch.name)
                     .map(|t| t.permission_pattern(&launch.input))
                     .unwrap_or_default();
-                let request = RequestId::new();
-                let reply = engine.wait_for(request);
                 engine
                     .commit(
                         held,
                         vec![DurableEvent::PermissionRequested(
                             payload::PermissionRequested {
-                                request_id: request,
+                                request_id: RequestId::new(),
                                 call_id,
                                 tool: launch.name.clone(),
                                 pattern,
@@ -176,17 +158,7 @@ impl Step<'_> {
                         )],
                     )
                     .await?;
-                let cancel = self.calls_cancel.clone();
-                self.calls.spawn(async move {
-                    let done = tokio::select! {
-                        () = cancel.cancelled() => Done::Abandoned,
-                        reply = reply => match reply {
-                            Ok(Reply::Permission(decision)) => Done::Decided(decision, launch),
-                            Ok(Reply::Answer(_) | Reply::Dismiss) | Err(_) => Done::Abandoned,
-                        },
-                    };
-                    (call_id, done)
-                });
+                self.awaiting.push(call_id);
             }
             Policy::Allow => self.start_tool(launch)?,
         }
@@ -194,7 +166,7 @@ impl Step<'_> {
     }
 
     /// Starts a tool run, after checking ownership one last time.
-    fn start_tool(&mut self, launch: Launch) -> Result<(), Error> {
+    pub(super) fn start_tool(&mut self, launch: Launch) -> Result<(), Error> {
         let (engine, held) = (self.engine, self.held);
         if !engine.owns(held) {
             return Err(Error::OwnershipLost(held.claim.session_id));
@@ -204,10 +176,10 @@ impl Step<'_> {
             self.calls.spawn(async move {
                 (
                     call_id,
-                    Done::Ran(Err(tool::Error::InvalidInput(format!(
+                    Err(tool::Error::InvalidInput(format!(
                         "no tool `{}`",
                         launch.name
-                    )))),
+                    ))),
                 )
             });
             return Ok(());
@@ -217,7 +189,7 @@ impl Step<'_> {
             Err(message) => {
                 let message = message.clone();
                 self.calls
-                    .spawn(async move { (call_id, Done::Ran(Err(tool::Error::Io(message)))) });
+                    .spawn(async move { (call_id, Err(tool::Error::Io(message))) });
                 return Ok(());
             }
         };
@@ -250,38 +222,40 @@ impl Step<'_> {
         });
         self.calls.spawn(async move {
             let result = tool.run(launch.input, &context).await;
-            (call_id, Done::Ran(result))
+            (call_id, result)
         });
         Ok(())
     }
 
-    /// Records how a local call ended, or starts it once permitted. Returns a reason when
-    /// the reply interrupts the continuation.
-    pub(super) async fn settle_call(
+    /// Records how a local call that ran ended. A call the step's interrupt stopped is
+    /// left unresolved: the step's `step.interrupted` fails it durably.
+    pub(super) async fn settle_call(&mut self, call_id: CallId, result: Ran) -> Result<(), Error> {
+        if matches!(result, Err(tool::Error::Interrupted)) && self.is_interrupted() {
+            return Ok(());
+        }
+        self.engine
+            .commit(self.held, vec![result_event(call_id, result)])
+            .await?;
+        Ok(())
+    }
+
+    /// Acts on the replies a resumed step found: a permitted call starts, a refused one
+    /// fails and stops the continuation, an answered question succeeds with the answer, a
+    /// dismissed one fails and stops the continuation. Calls still unanswered (unless an
+    /// `always` since covers them) keep waiting. Every result, and the claim's move to
+    /// the step, commit in one fenced write before any tool starts.
+    pub(super) async fn act_on_replies(
         &mut self,
-        call_id: CallId,
-        done: Done,
-    ) -> Result<Option<InterruptReason>, Error> {
+        waiting: Vec<(request::Open, Launch)>,
+    ) -> Result<(), Error> {
         let (engine, held) = (self.engine, self.held);
-        match done {
-            // Left unresolved: the step's `step.interrupted` fails it durably.
-            Done::Abandoned => Ok(None),
-            Done::Ran(Err(tool::Error::Interrupted)) if self.is_interrupted() => Ok(None),
-            Done::Ran(result) => {
-                engine
-                    .commit(held, vec![result_event(call_id, result)])
-                    .await?;
-                Ok(None)
-            }
-            Done::Decided(decision, launch) => {
-                let request = engine.request_of(held, call_id).await?;
-                let mut events = vec![DurableEvent::PermissionReplied(
-                    payload::PermissionReplied {
-                        request_id: request,
-                        decision,
-                    },
-                )];
-                if decision == Decision::Reject {
+        let mut events = Vec::new();
+        let mut start = Vec::new();
+        for (open, launch) in waiting {
+            let call_id = launch.call_id;
+            match open.reply {
+                Some(Reply::Permission(Decision::Once | Decision::Always)) => start.push(launch),
+                Some(Reply::Permission(Decision::Reject)) => {
                     events.push(DurableEvent::ToolFailed(payload::ToolFailed {
                         call_id,
                         error: ErrorInfo::new(
@@ -289,92 +263,57 @@ impl Step<'_> {
                             format!("the user rejected this `{}` call", launch.name),
                         ),
                     }));
-                    engine.commit(held, events).await?;
-                    return Ok(Some(InterruptReason::PermissionRejected));
+                    self.stopped
+                        .get_or_insert(InterruptReason::PermissionRejected);
                 }
-                engine.commit(held, events).await?;
-                self.start_tool(launch)?;
-                Ok(None)
-            }
-            Done::Answered(request, answer) => {
-                engine
-                    .commit(
-                        held,
-                        vec![
-                            DurableEvent::QuestionAnswered(payload::QuestionAnswered {
-                                request_id: request,
-                                answer: answer.clone(),
-                            }),
-                            DurableEvent::ToolSuccess(payload::ToolSuccess {
-                                call_id,
-                                structured: json!({"answer": answer}),
-                                content: vec![ToolContent::Text { text: answer }],
-                                result: None,
-                            }),
-                        ],
-                    )
-                    .await?;
-                Ok(None)
-            }
-            Done::Dismissed(request) => {
-                engine
-                    .commit(
-                        held,
-                        vec![
-                            DurableEvent::QuestionDismissed(payload::QuestionDismissed {
-                                request_id: request,
-                            }),
-                            DurableEvent::ToolFailed(payload::ToolFailed {
-                                call_id,
-                                error: ErrorInfo::new(
-                                    "tool.question-dismissed",
-                                    "the user dismissed the question",
-                                ),
-                            }),
-                        ],
-                    )
-                    .await?;
-                Ok(Some(InterruptReason::QuestionDismissed))
+                Some(Reply::Answer(answer)) => {
+                    events.push(DurableEvent::ToolSuccess(payload::ToolSuccess {
+                        call_id,
+                        structured: json!({"answer": answer}),
+                        content: vec![ToolContent::Text { text: answer }],
+                        result: None,
+                    }));
+                }
+                Some(Reply::Dismiss) => {
+                    events.push(DurableEvent::ToolFailed(payload::ToolFailed {
+                        call_id,
+                        error: ErrorInfo::new(
+                            "tool.question-dismissed",
+                            "the user dismissed the question",
+                        ),
+                    }));
+                    self.stopped
+                        .get_or_insert(InterruptReason::QuestionDismissed);
+                }
+                None if open.kind == request::Kind::Permission
+                    && engine.always_allowed(held, open.tool.clone()).await? =>
+                {
+                    start.push(launch);
+                }
+                None => self.awaiting.push(call_id),
             }
         }
+        let (claim, step) = (held.claim, self.open_step());
+        let envelopes = engine
+            .fenced(held, move |c, now| {
+                execution::set_phase(c, &claim, Phase::Running, Some(step))?;
+                crate::event::log::append(c, now, claim.session_id, events).map_err(Error::from)
+            })
+            .await?;
+        engine.publish(&envelopes);
+        for launch in start {
+            self.start_tool(launch)?;
+        }
+        Ok(())
     }
 }
 
 impl Engine {
-    /// The permission request made for `call_id` in this session.
-    async fn request_of(&self, held: &Held, call_id: CallId) -> Result<RequestId, Error> {
-        let session = held.claim.session_id;
-        let log = self.store.read_log(session, 0, u32::MAX).await?;
-        log.iter()
-            .rev()
-            .find_map(|e| match &e.event {
-                DurableEvent::PermissionRequested(p) if p.call_id == call_id => Some(p.request_id),
-                _ => None,
-            })
-            .ok_or_else(|| {
-                crate::store::Error::Corrupt(format!("no permission request for {call_id}")).into()
-            })
-    }
-
     /// Whether an earlier `always` reply allows `tool` for the rest of the session.
-    async fn always_allowed(&self, held: &Held, tool: &str) -> Result<bool, Error> {
+    async fn always_allowed(&self, held: &Held, tool: String) -> Result<bool, Error> {
         let session = held.claim.session_id;
-        let log = self.store.read_log(session, 0, u32::MAX).await?;
-        let mut tools: HashMap<RequestId, String> = HashMap::new();
-        for event in &log {
-            match &event.event {
-                DurableEvent::PermissionRequested(p) => {
-                    tools.insert(p.request_id, p.tool.clone());
-                }
-                DurableEvent::PermissionReplied(r)
-                    if r.decision == Decision::Always
-                        && tools.get(&r.request_id).is_some_and(|t| t == tool) =>
-                {
-                    return Ok(true);
-                }
-                _ => {}
-            }
-        }
-        Ok(false)
+        self.store
+            .read(move |c| request::always_allowed(c, session, &tool).map_err(Error::from))
+            .await
     }
 }

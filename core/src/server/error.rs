@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use keel_schema::api::{ErrorBody, ErrorDetail, ErrorType};
 
-use crate::{inbox, runner, store};
+use crate::{inbox, request, runner, store};
 
 /// An error answered to a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +71,18 @@ impl From<inbox::Error> for ApiError {
             inbox::Error::Invalid(_) => Self::new(ErrorType::Unprocessable, e.to_string()),
             inbox::Error::NotFound { .. } => Self::not_found(e.to_string()),
             inbox::Error::Store(e) => e.into(),
+        }
+    }
+}
+
+impl From<request::Error> for ApiError {
+    fn from(e: request::Error) -> Self {
+        match e {
+            request::Error::Unknown(_) => Self::not_found(e.to_string()),
+            request::Error::WrongKind { .. } | request::Error::Answered(_) => {
+                Self::new(ErrorType::Conflict, e.to_string())
+            }
+            request::Error::Store(e) => e.into(),
         }
     }
 }

@@ -21,7 +21,7 @@ use crate::coordinator::Scope;
 use crate::event::{log, view};
 use crate::execution;
 use crate::inbox::{self, Admission, Admitted};
-use crate::runner::Reply;
+use crate::request::{self, Reply};
 use crate::store;
 
 type Result<T> = std::result::Result<T, ApiError>;
@@ -188,12 +188,16 @@ pub async fn session_status(
     status(&state, session.id).await.map(Json)
 }
 
-/// Whether the session is busy, with its claim, and how many inputs wait.
+/// Whether the session is busy, with its claim, and how many inputs and requests wait.
 async fn status(state: &AppState, id: SessionId) -> Result<SessionStatus> {
-    let (claim, pending) = state
+    let (claim, pending, awaiting) = state
         .store
         .read(move |c| {
-            Ok::<_, store::Error>((execution::get(c, id)?, view::pending_inputs(c, id)?))
+            Ok::<_, store::Error>((
+                execution::get(c, id)?,
+                view::pending_inputs(c, id)?,
+                request::awaiting_replies(c, id)?,
+            ))
         })
         .await?;
     Ok(SessionStatus {
@@ -206,6 +210,7 @@ async fn status(state: &AppState, id: SessionId) -> Result<SessionStatus> {
             recovery_error: row.recovery_error,
         }),
         pending_inputs: pending,
+        awaiting_replies: awaiting,
     })
 }
 
@@ -339,45 +344,6 @@ fn claim_holder(
     Ok(execution::get(c, id)?.map(|row| row.claim.owner_id))
 }
 
-/// Hands `reply` to the runner waiting for it: in this process, or on the node that
-/// runs the session.
-async fn delivered(
-    state: &AppState,
-    session: SessionId,
-    request: RequestId,
-    reply: Reply,
-) -> Result<Json<Accepted>> {
-    if state.runner.reply(request, reply.clone()) {
-        return Ok(Json(Accepted { accepted: true }));
-    }
-    let not_waiting = || ApiError::not_found(format!("no request {request} is waiting"));
-    let Some(bus) = &state.bus else {
-        return Err(not_waiting());
-    };
-    let (holder, waits) = state
-        .store
-        .read(move |c| {
-            Ok::<_, store::Error>((
-                claim_holder(c, session)?,
-                cluster::awaits_reply(c, session, request)?,
-            ))
-        })
-        .await?;
-    match holder {
-        Some(holder) if waits && holder != state.runner.owner() => {
-            let route = cluster::Route {
-                to: holder,
-                session,
-                kind: cluster::RouteKind::Reply { request, reply },
-            };
-            bus.forward(&route)
-                .map_err(|e| ApiError::new(ErrorType::PayloadTooLarge, e))?;
-            Ok(Json(Accepted { accepted: true }))
-        }
-        _ => Err(not_waiting()),
-    }
-}
-
 pub async fn reply_permission(
     State(state): State<AppState>,
     ExistingSession(session): ExistingSession,
@@ -385,7 +351,7 @@ pub async fn reply_permission(
     body: std::result::Result<Json<PermissionReply>, JsonRejection>,
 ) -> Result<Json<Accepted>> {
     let Json(body) = body?;
-    delivered(
+    replied(
         &state,
         session.id,
         request,
@@ -411,7 +377,19 @@ pub async fn reply_question(
             ));
         }
     };
-    delivered(&state, session.id, request, reply).await
+    replied(&state, session.id, request, reply).await
+}
+
+/// Commits the reply (answering only once it is durable) and wakes the session, which
+/// resumes its waiting step on whichever node claims it.
+async fn replied(
+    state: &AppState,
+    session: SessionId,
+    request: RequestId,
+    reply: Reply,
+) -> Result<Json<Accepted>> {
+    state.runner.reply(session, request, reply).await?;
+    Ok(Json(Accepted { accepted: true }))
 }
 
 pub async fn messages(

@@ -91,6 +91,20 @@ diesel::table! {
 }
 
 diesel::table! {
+    session_request (id) {
+        id -> Text,
+        session_id -> Text,
+        call_id -> Text,
+        kind -> Text,
+        tool -> Text,
+        asked_seq -> BigInt,
+        state -> Text,
+        reply -> Nullable<Text>,
+        always -> Bool,
+    }
+}
+
+diesel::table! {
     context_epoch (session_id) {
         session_id -> Text,
         epoch -> BigInt,
@@ -111,6 +125,7 @@ diesel::table! {
 diesel::joinable!(event -> session (session_id));
 diesel::joinable!(session_message -> session (session_id));
 diesel::joinable!(session_input -> session (session_id));
+diesel::joinable!(session_request -> session (session_id));
 diesel::allow_tables_to_appear_in_same_query!(
     session,
     event,
@@ -118,6 +133,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     session_tool,
     session_input,
     session_execution,
+    session_request,
     context_epoch,
     node,
 );

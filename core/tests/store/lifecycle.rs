@@ -3,7 +3,9 @@
 
 use diesel::prelude::*;
 use keel_core::inbox::{self, Admission, Boundary, Promotion};
-use keel_core::store::schema::{session, session_input, session_message, session_tool};
+use keel_core::store::schema::{
+    session, session_input, session_message, session_request, session_tool,
+};
 use keel_core::store::{Conn, Store};
 use keel_schema::event::{DurableEvent, payload};
 use keel_schema::id::{CallId, ExecutionId, InputId, MessageId, OwnerId, SessionId};
@@ -33,6 +35,7 @@ pub async fn write(store: &Store) -> SessionId {
     let second = MessageId::new();
     let read_call = CallId::new();
     let write_call = CallId::new();
+    let refused = keel_schema::id::RequestId::new();
 
     store
         .append(session, vec![created("lifecycle")])
@@ -111,6 +114,17 @@ pub async fn write(store: &Store) -> SessionId {
                     provider_executed: false,
                     effect: Effect::Write,
                     provider_call_id: Some("call_b".into()),
+                }),
+                // The write waits for a person, who refuses it.
+                DurableEvent::PermissionRequested(payload::PermissionRequested {
+                    request_id: refused,
+                    call_id: write_call,
+                    tool: "write".into(),
+                    pattern: "tests/login.rs".into(),
+                }),
+                DurableEvent::PermissionReplied(payload::PermissionReplied {
+                    request_id: refused,
+                    decision: keel_schema::types::Decision::Reject,
                 }),
             ],
         )
@@ -242,7 +256,20 @@ pub struct Rows {
     pub messages: Vec<(String, i64, String, serde_json::Value)>,
     pub tools: Vec<ToolRow>,
     pub inputs: Vec<keel_core::event::view::InputRow>,
+    /// id, call id, kind, tool, asked seq, state, reply, always.
+    pub requests: Vec<RequestRow>,
 }
+
+pub type RequestRow = (
+    String,
+    String,
+    String,
+    String,
+    i64,
+    String,
+    Option<String>,
+    bool,
+);
 
 pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
     let id = id.to_string();
@@ -306,10 +333,26 @@ pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
         .select(keel_core::event::view::InputRow::as_select())
         .load(connection)
         .unwrap();
+    let requests = session_request::table
+        .filter(session_request::session_id.eq(&id))
+        .order(session_request::asked_seq)
+        .select((
+            session_request::id,
+            session_request::call_id,
+            session_request::kind,
+            session_request::tool,
+            session_request::asked_seq,
+            session_request::state,
+            session_request::reply,
+            session_request::always,
+        ))
+        .load(connection)
+        .unwrap();
     Rows {
         session,
         messages,
         tools,
         inputs,
+        requests,
     }
 }

@@ -21,6 +21,7 @@ backend_tests!(
     a_step_does_not_end_while_a_tool_of_it_is_unresolved,
     usage_totals_accumulate_from_step_ended_and_step_failed,
     a_held_transcript_reads_only_what_changed_and_matches_a_full_read,
+    a_reply_is_projected_only_onto_a_pending_request_of_its_kind,
 );
 
 fn step_started(id: MessageId) -> DurableEvent {
@@ -424,4 +425,65 @@ async fn a_held_transcript_reads_only_what_changed_and_matches_a_full_read(db: T
         assert_eq!(held.messages(), full.as_slice());
     }
     assert_eq!(held.messages().len(), 2);
+}
+
+async fn a_reply_is_projected_only_onto_a_pending_request_of_its_kind(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    let call = CallId::new();
+    let request = keel_schema::id::RequestId::new();
+    store
+        .append(
+            session,
+            vec![
+                step_started(message),
+                called(message, call, "write", Effect::Write),
+                DurableEvent::PermissionRequested(payload::PermissionRequested {
+                    request_id: request,
+                    call_id: call,
+                    tool: "write".into(),
+                    pattern: "a.txt".into(),
+                }),
+            ],
+        )
+        .await
+        .unwrap();
+    let before = store.last_seq(session).await.unwrap();
+    let answer = |request_id| {
+        DurableEvent::QuestionAnswered(payload::QuestionAnswered {
+            request_id,
+            answer: "yes".into(),
+        })
+    };
+    let once = |request_id| {
+        DurableEvent::PermissionReplied(payload::PermissionReplied {
+            request_id,
+            decision: keel_schema::types::Decision::Once,
+        })
+    };
+    // The wrong kind, and an unknown request: refused, nothing appended.
+    for refused in [answer(request), once(keel_schema::id::RequestId::new())] {
+        let err = store.append(session, vec![refused]).await.unwrap_err();
+        assert!(err.to_string().contains("no pending"), "{err}");
+    }
+    // Another session's request.
+    let other = new_session(&store).await;
+    let err = store.append(other, vec![once(request)]).await.unwrap_err();
+    assert!(err.to_string().contains("no pending"), "{err}");
+    assert_eq!(store.last_seq(session).await.unwrap(), before);
+    // The right reply, once; a second one is refused.
+    store.append(session, vec![once(request)]).await.unwrap();
+    let err = store
+        .append(session, vec![once(request)])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no pending"), "{err}");
+    // The call's result settles the request.
+    store.append(session, vec![success(call)]).await.unwrap();
+    let open = store
+        .read(move |c| keel_core::request::open(c, session))
+        .await
+        .unwrap();
+    assert!(open.is_empty(), "{open:?}");
 }

@@ -28,6 +28,9 @@ async fn replaying_a_full_prompt_lifecycle_into_a_fresh_database_reproduces_ever
         .await
         .unwrap();
     assert!(!original.messages.is_empty() && !original.tools.is_empty());
+    // The refused write's request, settled with its call.
+    assert_eq!(original.requests.len(), 1);
+    assert_eq!(original.requests[0].5, "settled");
     assert_eq!(rebuilt, original);
     assert_eq!(
         target.read_log(session, 0, 1000).await.unwrap(),

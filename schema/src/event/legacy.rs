@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 
 use super::Example;
 use super::payload::{self, sample};
-use crate::id::{CallId, MessageId};
-use crate::types::{Finish, ToolContent, Usage};
+use crate::id::{CallId, ExecutionId, MessageId};
+use crate::types::{ErrorInfo, Finish, Outcome, ToolContent, Usage};
 
 /// `session.next.tool.success` version 1: every result carried its raw `result` beside the
 /// text the model saw, so large outputs were stored twice.
@@ -90,6 +90,60 @@ impl Example for StepEndedV1 {
                 input: 900,
                 output: 40,
             },
+        }
+    }
+}
+
+/// How a busy period ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeV1 {
+    Succeeded,
+    Failed,
+    Interrupted,
+    /// Settled by recovery after its owner died; a new execution continues the session.
+    Recovered,
+}
+
+impl From<OutcomeV1> for Outcome {
+    fn from(old: OutcomeV1) -> Self {
+        match old {
+            OutcomeV1::Succeeded => Self::Succeeded,
+            OutcomeV1::Failed => Self::Failed,
+            OutcomeV1::Interrupted => Self::Interrupted,
+            OutcomeV1::Recovered => Self::Recovered,
+        }
+    }
+}
+
+/// A busy period ended; the last event of its busy period. The claim is released in the
+/// same transaction.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutionSettledV1 {
+    pub execution_id: ExecutionId,
+    pub outcome: OutcomeV1,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+}
+
+impl From<ExecutionSettledV1> for payload::ExecutionSettled {
+    /// Version 1 had no `awaiting` outcome; every other outcome is the same.
+    fn from(old: ExecutionSettledV1) -> Self {
+        Self {
+            execution_id: old.execution_id,
+            outcome: old.outcome.into(),
+            error: old.error,
+        }
+    }
+}
+
+impl Example for ExecutionSettledV1 {
+    fn example() -> Self {
+        Self {
+            execution_id: sample::execution(),
+            outcome: OutcomeV1::Succeeded,
+            error: None,
         }
     }
 }

@@ -239,7 +239,8 @@ events! {
         Prompted(payload::Prompted) = "session.next.prompted" @ 1;
         Synthetic(payload::Synthetic) = "session.next.synthetic" @ 1;
         ExecutionStarted(payload::ExecutionStarted) = "session.next.execution.started" @ 1;
-        ExecutionSettled(payload::ExecutionSettled) = "session.next.execution.settled" @ 1;
+        ExecutionSettled(payload::ExecutionSettled) = "session.next.execution.settled" @ 2,
+            legacy [1 => legacy::ExecutionSettledV1];
         StepStarted(payload::StepStarted) = "session.next.step.started" @ 1;
         TextStarted(payload::TextStarted) = "session.next.text.started" @ 1;
         TextEnded(payload::TextEnded) = "session.next.text.ended" @ 1;
@@ -260,6 +261,7 @@ events! {
         StepEnded(payload::StepEnded) = "session.next.step.ended" @ 2,
             legacy [1 => legacy::StepEndedV1];
         StepFailed(payload::StepFailed) = "session.next.step.failed" @ 1;
+        StepAwaiting(payload::StepAwaiting) = "session.next.step.awaiting" @ 1;
         StepInterrupted(payload::StepInterrupted) = "session.next.step.interrupted" @ 1;
         StepRecovered(payload::StepRecovered) = "session.next.step.recovered" @ 1;
         CompactionStarted(payload::CompactionStarted) = "session.next.compaction.started" @ 1;

@@ -276,7 +276,8 @@ impl Example for ExecutionStarted {
 }
 
 /// A busy period ended; the last event of its busy period. The claim is released in the
-/// same transaction.
+/// same transaction. Version 2 adds the outcome `awaiting`: the execution was handed back
+/// while its step waits for a person.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecutionSettled {
@@ -672,6 +673,28 @@ impl Example for StepFailed {
                 "the request is longer than the model's context even after compaction",
             ),
             usage: None,
+        }
+    }
+}
+
+/// The step's response is over and the calls it made ran, except those waiting for a
+/// person (a permission request or a question): the step stays open, and the execution is
+/// handed back until a reply comes. The reply resumes the step from the log; `finish` and
+/// `usage` are what its `step.ended` will carry once every call is resolved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StepAwaiting {
+    pub assistant_message_id: MessageId,
+    pub finish: Finish,
+    pub usage: Usage,
+}
+
+impl Example for StepAwaiting {
+    fn example() -> Self {
+        Self {
+            assistant_message_id: sample::assistant(),
+            finish: Finish::ToolCalls,
+            usage: sample::usage(),
         }
     }
 }

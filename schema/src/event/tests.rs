@@ -217,6 +217,30 @@ fn legacy_step_ended_decodes_with_zero_for_what_it_did_not_record() {
 }
 
 #[test]
+fn legacy_execution_settled_decodes_with_the_same_outcome() {
+    let event = DurableEvent::decode(
+        "session.next.execution.settled",
+        1,
+        json!({"execution_id": "exe_01KBFVGY400000000000000005", "outcome": "recovered"}),
+    )
+    .unwrap();
+    let DurableEvent::ExecutionSettled(settled) = &event else {
+        panic!("{event:?}");
+    };
+    assert_eq!(settled.outcome, crate::types::Outcome::Recovered);
+    assert_eq!(event.version(), 2);
+    // Version 1 never knew `awaiting`.
+    assert!(
+        DurableEvent::decode(
+            "session.next.execution.settled",
+            1,
+            json!({"execution_id": "exe_01KBFVGY400000000000000005", "outcome": "awaiting"}),
+        )
+        .is_err()
+    );
+}
+
+#[test]
 fn an_unknown_type_or_version_is_refused_naming_it() {
     let err = DurableEvent::decode("session.next.step.ended", 3, json!({})).unwrap_err();
     assert_eq!(

@@ -99,6 +99,7 @@ impl Screen {
                     Outcome::Failed => "idle (the execution failed)",
                     Outcome::Interrupted => "idle (interrupted)",
                     Outcome::Recovered => "recovered; continuing",
+                    Outcome::Awaiting => "waiting for your reply",
                 };
                 self.line(&format!("── {outcome}"));
             }

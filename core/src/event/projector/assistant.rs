@@ -8,7 +8,7 @@ use keel_schema::id::{CallId, MessageId};
 use keel_schema::types::{ErrorInfo, Usage};
 use serde_json::Value;
 
-use super::statements::{CallTool, InsertTool, ResolveTool, SetMessageData};
+use super::statements::{CallTool, InsertTool, ResolveTool, SetMessageData, SettleRequests};
 use super::{Projection, ToolOutput};
 use crate::store::Error;
 use crate::store::column::text_of;
@@ -278,14 +278,30 @@ impl Projection<'_> {
             }
             Ok(())
         })?;
+        let call_id = call_id.to_string();
         ResolveTool {
             session_id: self.session_id,
-            call_id: &call_id.to_string(),
+            call_id: &call_id,
             status,
             output: &written,
         }
         .execute(self.connection)?;
+        SettleRequests {
+            session_id: self.session_id,
+            call_id: &call_id,
+        }
+        .execute(self.connection)?;
         Ok(())
+    }
+
+    /// The step's response is over with calls waiting for a person: the message stays
+    /// open and shows the usage so far; `step.ended` repeats it.
+    pub(super) fn step_awaiting(&mut self, e: &payload::StepAwaiting) -> Result<(), Error> {
+        self.edit_assistant(e.assistant_message_id, |view| {
+            view.require_open()?;
+            *view.usage = e.usage;
+            Ok(())
+        })
     }
 
     // --- steps --------------------------------------------------------------------------
@@ -334,11 +350,17 @@ impl Projection<'_> {
                 .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;
             let session_id = self.session_id;
             for call_id in failed {
+                let call_id = call_id.to_string();
                 ResolveTool {
                     session_id,
-                    call_id: &call_id.to_string(),
+                    call_id: &call_id,
                     status: "error",
                     output: &output,
+                }
+                .execute(self.connection)?;
+                SettleRequests {
+                    session_id,
+                    call_id: &call_id,
                 }
                 .execute(self.connection)?;
             }

@@ -117,3 +117,42 @@ fixed_query! {
     sql r#"UPDATE "session_tool" SET "status" = "# {status: Text} r#", "output" = "# {output: Text}
         r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
 }
+
+fixed_query! {
+    /// A permission request or a question, asked.
+    pub(super) struct InsertRequest<'a> {
+        id: &'a str,
+        session_id: &'a str,
+        call_id: &'a str,
+        kind: &'a str,
+        tool: &'a str,
+        asked_seq: i64,
+    }
+    sql r#"INSERT INTO "session_request" ("id", "session_id", "call_id", "kind", "tool", "asked_seq", "state", "always") VALUES ("#
+        {id: Text} ", " {session_id: Text} ", " {call_id: Text} ", " {kind: Text} ", "
+        {tool: Text} ", " {asked_seq: BigInt} ", 'pending', FALSE)"
+}
+
+fixed_query! {
+    /// A reply: updates the request only while it is pending, of this kind, in this
+    /// session (the projection refuses a reply that updates nothing).
+    pub(super) struct AnswerRequest<'a> {
+        id: &'a str,
+        session_id: &'a str,
+        kind: &'a str,
+        reply: &'a str,
+        always: bool,
+    }
+    sql r#"UPDATE "session_request" SET "state" = 'answered', "reply" = "# {reply: Text}
+        r#", "always" = "# {always: Bool} r#" WHERE "id" = "# {id: Text}
+        r#" AND "session_id" = "# {session_id: Text} r#" AND "kind" = "# {kind: Text}
+        r#" AND "state" = 'pending'"#
+}
+
+fixed_query! {
+    /// A call resolved: its requests are settled.
+    pub(super) struct SettleRequests<'a> { session_id: &'a str, call_id: &'a str }
+    sql r#"UPDATE "session_request" SET "state" = 'settled' WHERE "session_id" = "#
+        {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+        r#" AND "state" <> 'settled'"#
+}
