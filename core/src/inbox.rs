@@ -233,6 +233,36 @@ pub fn select(pending: &[Pending], boundary: Boundary) -> Selection {
     }
 }
 
+/// Records an explicit resume durably: every pending input of the session admitted
+/// without execution intent gets `prompt.execution_requested`, so a resume whose run is
+/// lost with its process is redriven like any admitted intent. Returns what was written.
+pub fn request_execution(
+    connection: &mut Conn,
+    now: i64,
+    session_id: SessionId,
+) -> Result<Vec<keel_schema::event::Envelope>, Error> {
+    let ids: Vec<String> = session_input::table
+        .filter(session_input::session_id.eq(session_id.to_string()))
+        .filter(session_input::promoted_seq.is_null())
+        .filter(session_input::cancelled_seq.is_null())
+        .filter(session_input::execution_requested.eq(false))
+        .order(session_input::admitted_seq.asc())
+        .select(session_input::id)
+        .load(connection)?;
+    let events = ids
+        .iter()
+        .map(|id| {
+            let input_id = id
+                .parse()
+                .map_err(|e| store::Error::Corrupt(format!("input id {id}: {e}")))?;
+            Ok(DurableEvent::PromptExecutionRequested(
+                payload::PromptExecutionRequested { input_id },
+            ))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    Ok(log::append(connection, now, session_id, events)?)
+}
+
 /// The session's pending inputs, in admission order.
 pub fn pending(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Input>, Error> {
     let rows: Vec<InputRow> = session_input::table

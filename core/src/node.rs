@@ -28,6 +28,10 @@ use crate::server::{self, Limits, Shared};
 use crate::store::{self, DbUrl, Store};
 use crate::{recovery, tool};
 
+/// How long steps stopped at the end of the shutdown grace get to write their end (they
+/// join their tools first; a `bash` process group is killed).
+const STOP_SETTLE: Duration = Duration::from_secs(5);
+
 /// The shortest lease a node accepts: renewal runs every third of it.
 pub const MIN_LEASE_MS: i64 = 100;
 
@@ -82,6 +86,9 @@ pub struct Options {
     /// How long open requests (event streams never end by themselves) get after the
     /// shutdown signal before the node stops serving.
     pub grace: Duration,
+    /// How long running steps get after the shutdown signal to reach a boundary before
+    /// they are stopped as `shutdown` (see `runner::shutdown`).
+    pub step_grace: Duration,
 }
 
 impl Options {
@@ -97,6 +104,7 @@ impl Options {
             lease_ms: 30_000,
             heartbeat: Duration::from_secs(15),
             grace: Duration::from_secs(3),
+            step_grace: Duration::from_secs(10),
         }
     }
 
@@ -188,8 +196,9 @@ impl Node {
         &self.runner
     }
 
-    /// Serves until `shutdown` is cancelled, then stops: a grace period for open requests,
-    /// the node unregistered, its claims handed back.
+    /// Serves until `shutdown` is cancelled, then stops: a grace period for open requests
+    /// and one for running steps (those still running then are stopped as `shutdown`),
+    /// the node unregistered, whatever claim is left handed back.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let Self {
             options,
@@ -212,10 +221,20 @@ impl Node {
             }
             DbUrl::Sqlite(_) => None,
         };
+        // Leases are renewed until the runner has stopped, after the signal.
+        let renewal = CancellationToken::new();
         let renewing = tokio::spawn({
             let runner = runner.clone();
-            let stop = stop.clone();
-            async move { runner.renew_leases(stop).await }
+            let renewal = renewal.clone();
+            async move { runner.renew_leases(renewal).await }
+        });
+        // At the signal, running steps get their grace, then are stopped as `shutdown`.
+        let stopping = tokio::spawn({
+            let (runner, stop, grace) = (runner.clone(), stop.clone(), options.step_grace);
+            async move {
+                stop.cancelled().await;
+                runner.shut_down(grace, STOP_SETTLE).await
+            }
         });
         // Executions abandoned by a dead process (or by this one, before a restart) are
         // taken over now and every half lease.
@@ -248,8 +267,16 @@ impl Node {
             () = async { stop.cancelled().await; tokio::time::sleep(grace).await } => Ok(()),
         };
         stop.cancel();
-        renewing.abort();
         recovering.abort();
+        match stopping.await {
+            Ok(0) => {}
+            Ok(stopped) => {
+                tracing::info!(stopped, "steps still running after the grace were stopped")
+            }
+            Err(e) => tracing::warn!(error = %e, "stopping the runner failed"),
+        }
+        renewal.cancel();
+        renewing.abort();
         // The node leaves the list (bounded: a database that does not answer must not hold
         // the shutdown).
         drop(tokio::time::timeout(Duration::from_secs(2), registered).await);

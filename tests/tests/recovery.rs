@@ -1,15 +1,17 @@
 //! A `keel serve` stopped in the middle of a step: killed with SIGKILL inside a write tool
 //! or while the model streams, the restarted process takes the session over once the lease
 //! runs out, fails the interrupted call instead of running it again, and the session
-//! continues to the end; stopped with SIGTERM, it hands its claims back and the restarted
-//! process takes over at once, even with a long lease. A step waiting for a permission
-//! reply holds no claim: a kill leaves it waiting, and the reply after the restart runs
-//! the tool once.
+//! continues to the end; stopped with SIGTERM, a step that finishes within the shutdown
+//! grace finishes, one that does not is stopped as `shutdown`, and either way the
+//! restarted process continues the session at once, even with a long lease, with no crash
+//! reported. A step waiting for a permission reply holds no claim: a kill leaves it
+//! waiting, and the reply after the restart runs the tool once.
 
 use futures::StreamExt;
 use keel_client::schema::api::{LogItem, PromptRequest};
 use keel_client::schema::event::{DurableEvent, Envelope};
-use keel_client::schema::types::{InputSource, Outcome};
+use keel_client::schema::id::SessionId;
+use keel_client::schema::types::{Finish, InputSource, InterruptReason, Outcome};
 use keel_client::{Client, LogStream};
 use keel_tests::Server;
 use serde_json::json;
@@ -180,47 +182,115 @@ async fn a_server_killed_while_the_model_streams_recovers_the_step_once() {
     assert!(!status.busy, "{status:?}");
 }
 
-#[tokio::test]
-async fn sigterm_hands_the_claims_back_so_a_restart_takes_over_at_once() {
-    let script = json!({ "responses": [
-        { "items": [{ "type": "tool_call", "name": "bash", "input": {
-            "command": "while [ ! -e go ] && [ -e \"$PWD\" ]; do sleep 0.02; done"
-        }}]},
-        { "items": [{ "type": "text", "text": "Resumed without waiting for the lease." }] }
-    ]})
-    .to_string();
-    // A ten-minute lease: only the handed-back claim lets the restart recover in time.
-    let mut server = Server::start_with(
-        &[("keel.toml", CONFIG), ("script.json", &script)],
-        &["--config", "keel.toml", "--lease-ms", "600000"],
+/// Starts a server on `script` with a ten-minute lease (so only what a shutdown leaves
+/// behind, never an expired lease, can let the restart go on) and the given shutdown
+/// grace; prompts a session and reads its log until the model's call has started.
+async fn running_a_call(script: &str, grace_ms: &str) -> (Server, SessionId, u64) {
+    let server = Server::start_with(
+        &[("keel.toml", CONFIG), ("script.json", script)],
+        &[
+            "--config",
+            "keel.toml",
+            "--lease-ms",
+            "600000",
+            "--shutdown-grace-ms",
+            grace_ms,
+        ],
     );
     let client = Client::new(&server.base_url).unwrap();
     let session = client.create_session(&Default::default()).await.unwrap().id;
     let mut log = client.session_log(session, 0);
     client
-        .prompt(session, &PromptRequest::text("wait for go"))
+        .prompt(session, &PromptRequest::text("run it"))
         .await
         .unwrap();
     let before = read_until(&mut log, |e| matches!(e.event, DurableEvent::ToolCalled(_))).await;
-    drop(log);
+    (server, session, before.last().unwrap().seq)
+}
 
-    server.terminate_and_restart();
-    std::fs::write(server.directory().join("go"), "").unwrap();
-    assert!(server.logged("claims handed back"));
+/// Reads the session's log through the restarted `server` from after `seq` until the
+/// execution that continued it succeeded.
+async fn after_restart(server: &Server, session: SessionId, seq: u64) -> Vec<Envelope> {
     let client = Client::new(&server.base_url).unwrap();
-    let mut log = client.session_log(session, before.last().unwrap().seq);
-    let after = tokio::time::timeout(PATIENCE, read_until(&mut log, succeeded))
+    let mut log = client.session_log(session, seq);
+    tokio::time::timeout(PATIENCE, read_until(&mut log, succeeded))
         .await
-        .expect("the restarted server takes the session over without waiting for the lease");
+        .expect("the restarted server continues the session without waiting for the lease")
+}
+
+#[tokio::test]
+async fn sigterm_mid_step_stops_it_as_shutdown_and_the_restart_continues_without_a_crash_report() {
+    let script = json!({ "responses": [
+        { "items": [{ "type": "tool_call", "name": "bash", "input": {
+            "command": "echo ran >> runs.txt; while [ ! -e go ] && [ -e \"$PWD\" ]; do sleep 0.02; done"
+        }}]},
+        { "items": [{ "type": "text", "text": "Continued after the shutdown." }] }
+    ]})
+    .to_string();
+    // The call never finishes by itself: the grace runs out and the step is stopped.
+    let (mut server, session, seq) = running_a_call(&script, "300").await;
+    server.terminate_and_restart();
+    let after = after_restart(&server, session, seq).await;
     let kinds = kinds(&after);
-    assert_eq!(
-        kinds.iter().filter(|k| **k == "step.recovered").count(),
-        1,
-        "{kinds:?}"
+    assert!(!kinds.contains(&"step.recovered"), "{kinds:?}");
+    assert!(after.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::StepInterrupted(i) if i.reason == InterruptReason::Shutdown
+    )));
+    // The stopped call's result, as the model sees it, says why.
+    let client = Client::new(&server.base_url).unwrap();
+    let messages = serde_json::to_value(client.messages(session).await.unwrap()).unwrap();
+    assert!(
+        messages.to_string().contains("interrupted (shutdown)"),
+        "{messages}"
     );
     assert!(after.iter().any(|e| matches!(
         &e.event,
-        DurableEvent::TextEnded(t) if t.text == "Resumed without waiting for the lease."
+        DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Interrupted
+            && s.error.as_ref().is_some_and(|e| e.kind == "execution.shutdown")
+    )));
+    assert!(after.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::PromptAdmitted(p) if p.source == InputSource::Recovery
+    )));
+    assert!(after.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::TextEnded(t) if t.text == "Continued after the shutdown."
+    )));
+    // The stopped call was not run again.
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "tool.called").count(),
+        0,
+        "{kinds:?}"
+    );
+    let runs = std::fs::read_to_string(server.directory().join("runs.txt")).unwrap();
+    assert_eq!(runs.lines().count(), 1, "{runs}");
+}
+
+#[tokio::test]
+async fn sigterm_lets_a_step_finish_within_the_grace_and_the_restart_continues_from_its_boundary() {
+    let script = json!({ "responses": [
+        { "items": [{ "type": "tool_call", "name": "bash", "input": {
+            "command": "sleep 0.5; echo done > finished.txt"
+        }}]},
+        { "items": [{ "type": "text", "text": "Continued from the boundary." }] }
+    ]})
+    .to_string();
+    let (mut server, session, seq) = running_a_call(&script, "20000").await;
+    server.terminate_and_restart();
+    assert!(server.directory().join("finished.txt").exists());
+    let after = after_restart(&server, session, seq).await;
+    let kinds = kinds(&after);
+    assert!(!kinds.contains(&"step.recovered"), "{kinds:?}");
+    assert!(!kinds.contains(&"step.interrupted"), "{kinds:?}");
+    assert!(kinds.contains(&"tool.success"), "{kinds:?}");
+    assert!(after.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::StepEnded(s) if s.finish == Finish::ToolCalls
+    )));
+    assert!(after.iter().any(|e| matches!(
+        &e.event,
+        DurableEvent::TextEnded(t) if t.text == "Continued from the boundary."
     )));
 }
 

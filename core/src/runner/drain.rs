@@ -17,7 +17,7 @@ use super::engine::lock;
 use super::fence::Held;
 use super::step::Parked;
 use super::translate::Launch;
-use super::{Engine, Error, compaction, step};
+use super::{Engine, Error, compaction, shutdown, step};
 use crate::coordinator::Request;
 use crate::event::log;
 use crate::event::view::{self, Transcript};
@@ -162,6 +162,9 @@ impl Engine {
                     self.close_step(&held, ended).await?;
                 }
                 return Err(Error::Interrupted);
+            }
+            if self.stopping() {
+                return self.hand_back_for_shutdown(&held, ended.take()).await;
             }
             let ending = ended.take();
             let assistant = ending.as_ref().map(|e| e.assistant);
@@ -309,6 +312,38 @@ impl Engine {
                 .await?;
             boundary = step.boundary_after();
             ended = Some(step);
+        }
+    }
+
+    /// A shutdown stops the drain at this boundary: the step that ended here, and the
+    /// continuation for after the restart when the work goes on, in one fenced write
+    /// ([`super::shutdown`]); the release follows in `settled`.
+    async fn hand_back_for_shutdown(
+        &self,
+        held: &Held,
+        ended: Option<step::Ended>,
+    ) -> Result<(), Error> {
+        let assistant = ended.as_ref().map(|e| e.assistant);
+        let closing = ended.map(|e| e.closing).unwrap_or_default();
+        let claim = held.claim;
+        let written = self
+            .fenced(held, move |c, now| {
+                let mut written = log::append(c, now, claim.session_id, closing)?;
+                written.extend(shutdown::continue_after_restart(c, now, &claim)?);
+                Ok(written)
+            })
+            .await;
+        match written {
+            Ok(written) => {
+                self.publish(&written);
+                Err(Error::ShuttingDown)
+            }
+            Err(error) => {
+                if let Some(assistant) = assistant {
+                    self.step_not_closed(held, assistant, &error).await;
+                }
+                Err(error)
+            }
         }
     }
 

@@ -6,6 +6,7 @@
 //! transaction, `settled` releases the claim with `execution.settled`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use keel_schema::api::Message;
@@ -15,7 +16,7 @@ use keel_schema::types::{ErrorInfo, InterruptReason, ModelRef, Outcome};
 use tokio_util::sync::CancellationToken;
 
 use super::fence::{Held, Ownership};
-use super::{Agent, Error, Forwarder, Settings, live};
+use super::{Agent, Error, Forwarder, Settings, live, shutdown};
 use crate::coordinator::{BoxFuture, Request, Work};
 use crate::event::{log, view};
 use crate::execution;
@@ -32,6 +33,8 @@ pub struct Engine {
     pub(super) live: live::Hub,
     /// Where wakes for sessions another node holds go (set once, on PostgreSQL).
     pub(super) forwarder: std::sync::OnceLock<Arc<dyn Forwarder>>,
+    /// A planned shutdown is under way ([`super::shutdown`]).
+    pub(super) stopping: AtomicBool,
 }
 
 impl Engine {
@@ -43,6 +46,21 @@ impl Engine {
             held: Mutex::new(HashMap::new()),
             live: live::Hub::default(),
             forwarder: std::sync::OnceLock::new(),
+            stopping: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether a planned shutdown is under way: no new execution, stop at the boundary.
+    pub(super) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Why an interrupt of this process's drains happens: the user's, or the shutdown's.
+    pub(super) fn interrupt_reason(&self) -> InterruptReason {
+        if self.stopping() {
+            InterruptReason::Shutdown
+        } else {
+            InterruptReason::User
         }
     }
 
@@ -175,13 +193,16 @@ impl Engine {
 }
 
 /// The end of an interrupted execution, in the caller's transaction: `step.interrupted`
-/// for its step still open, if any (failing the calls it left), then the release.
+/// for its step still open, if any (failing the calls it left), then the release. A
+/// shutdown's interrupt also records the continuation for after the restart
+/// ([`shutdown`]).
 pub(super) fn interrupt_and_release(
     connection: &mut crate::store::Conn,
     now: i64,
     lease_ms: i64,
     claim: &execution::Claim,
     open_step: Option<MessageId>,
+    reason: InterruptReason,
 ) -> Result<Vec<keel_schema::event::Envelope>, Error> {
     let mut written = Vec::new();
     if let Some(assistant) = open_step {
@@ -191,9 +212,13 @@ pub(super) fn interrupt_and_release(
             claim.session_id,
             vec![DurableEvent::StepInterrupted(payload::StepInterrupted {
                 assistant_message_id: assistant,
-                reason: InterruptReason::User,
+                reason,
             })],
         )?);
+    }
+    let shutdown = reason == InterruptReason::Shutdown;
+    if shutdown {
+        written.extend(shutdown::continue_after_restart(connection, now, claim)?);
     }
     written.push(execution::release(
         connection,
@@ -201,7 +226,7 @@ pub(super) fn interrupt_and_release(
         lease_ms,
         claim,
         Outcome::Interrupted,
-        None,
+        shutdown.then(shutdown::shutdown_error),
     )?);
     Ok(written)
 }
@@ -219,6 +244,10 @@ impl Work for Engine {
 
     fn started<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
+            if self.stopping() {
+                // The work stays durable (its input, its wake's redrive) for after the restart.
+                return Err(Error::ShuttingDown);
+            }
             let (owner, lease) = (self.settings.owner, self.settings.lease_ms);
             let clock = self.store.clock().clone();
             let session = *session;
@@ -281,6 +310,7 @@ impl Work for Engine {
             let claim = held.claim;
             let lease = self.settings.lease_ms;
             let clock = self.store.clock().clone();
+            let reason = self.interrupt_reason();
             let written = self
                 .store
                 .write(move |c| {
@@ -293,7 +323,7 @@ impl Work for Engine {
                         }).then_some(assistant),
                         None => None,
                     };
-                    interrupt_and_release(c, now, lease, &claim, open)
+                    interrupt_and_release(c, now, lease, &claim, open, reason)
                 })
                 .await;
             match written {
@@ -333,6 +363,9 @@ impl Work for Engine {
                     return;
                 }
                 Err(Error::Interrupted) => (Outcome::Interrupted, None),
+                Err(Error::ShuttingDown) => {
+                    (Outcome::Interrupted, Some(shutdown::shutdown_error()))
+                }
                 Err(Error::StepFailed(info)) => (Outcome::Failed, Some(info.clone())),
                 Err(e) => (
                     Outcome::Failed,

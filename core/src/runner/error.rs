@@ -19,6 +19,10 @@ pub enum Error {
     OwnershipLost(SessionId),
     #[error("interrupted")]
     Interrupted,
+    /// A planned shutdown stopped the drain at a boundary; the work goes on after the
+    /// restart.
+    #[error("Keel is shutting down; the session continues when it starts again")]
+    ShuttingDown,
     /// The model's step failed (the error is in `step.failed`).
     #[error("the step failed: {}", .0.message)]
     StepFailed(ErrorInfo),
@@ -42,9 +46,11 @@ impl Error {
     pub(super) fn breaks_step(&self) -> bool {
         match self {
             Self::Store(_) | Self::Inbox(_) | Self::Config(_) | Self::ToolTask(_) => true,
-            Self::Busy(_) | Self::OwnershipLost(_) | Self::Interrupted | Self::StepFailed(_) => {
-                false
-            }
+            Self::Busy(_)
+            | Self::OwnershipLost(_)
+            | Self::Interrupted
+            | Self::ShuttingDown
+            | Self::StepFailed(_) => false,
         }
     }
 }

@@ -2,10 +2,11 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use keel_schema::event::Envelope;
 use keel_schema::id::{OwnerId, RequestId, SessionId};
-use keel_schema::types::Phase;
+use keel_schema::types::{InterruptReason, Phase};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
@@ -89,6 +90,21 @@ impl Runner {
         self.coordinator.wake(session, scope);
     }
 
+    /// Records an explicit resume durably ([`crate::inbox::request_execution`]): a resume
+    /// whose run is lost with its process is then redriven by recovery. The caller runs
+    /// the session next ([`Runner::run`]).
+    pub async fn record_resume(&self, session: SessionId) -> Result<(), Error> {
+        let clock = self.store().clock().clone();
+        let written = self
+            .store()
+            .write(move |c| {
+                crate::inbox::request_execution(c, clock.now_ms(), session).map_err(Error::from)
+            })
+            .await?;
+        self.publish(&written);
+        Ok(())
+    }
+
     /// Runs (or joins) the session's execution and waits for its busy period to settle.
     pub async fn run(&self, session: SessionId) -> Result<(), RunError<Error>> {
         self.coordinator.run(session).await
@@ -147,12 +163,46 @@ impl Runner {
                     return Ok(Vec::new());
                 };
                 let mut written = vec![started];
-                written.extend(interrupt_and_release(c, now, lease, &claim, Some(step))?);
+                written.extend(interrupt_and_release(
+                    c,
+                    now,
+                    lease,
+                    &claim,
+                    Some(step),
+                    InterruptReason::User,
+                )?);
                 Ok::<_, Error>(written)
             })
             .await?;
         engine.publish(&written);
         Ok(!written.is_empty())
+    }
+
+    /// A planned shutdown ([`super::shutdown`]): no new execution from now on; running
+    /// drains stop at their next boundary, and those still running after `grace` are
+    /// interrupted as `shutdown`. Returns, once they have settled (or `settle` more has
+    /// passed), how many the grace did not see finish.
+    pub async fn shut_down(&self, grace: Duration, settle: Duration) -> usize {
+        let engine = self.engine();
+        engine.stopping.store(true, Ordering::SeqCst);
+        self.until_idle(grace).await;
+        let running: Vec<SessionId> = lock(&engine.held).keys().copied().collect();
+        for session in &running {
+            tracing::warn!(%session, "the shutdown grace ran out; stopping the step");
+            self.coordinator.interrupt(session);
+        }
+        if !running.is_empty() {
+            self.until_idle(settle).await;
+        }
+        running.len()
+    }
+
+    /// Waits until this process holds no execution, or `limit` passed.
+    async fn until_idle(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.held() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Renews the leases of the executions this process runs, every third of the lease,

@@ -19,6 +19,7 @@
 //! - `context`: the transcript as the provider's turns;
 //! - `fence`: fenced commits and live publishing for a held claim;
 //! - `live`: the hub that fans published events out to subscribers;
+//! - `shutdown`: a planned shutdown's grace, and the continuation it leaves;
 //! - `settings`, `error`: what a runner is built from, and how a drain fails.
 
 mod burst;
@@ -32,6 +33,7 @@ mod handle;
 pub mod live;
 mod retry;
 mod settings;
+mod shutdown;
 mod step;
 mod tools;
 mod translate;
@@ -45,4 +47,5 @@ pub use handle::{Forwarder, Runner};
 pub use live::Live;
 pub use retry::RetryPolicy;
 pub use settings::{Agent, Policy, Settings};
+pub use shutdown::CONTINUATION as SHUTDOWN_CONTINUATION;
 pub use step::StepSummary;

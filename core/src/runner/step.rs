@@ -674,7 +674,7 @@ impl<'a> Step<'a> {
             Over::Interrupted => {
                 closing.push(DurableEvent::StepInterrupted(payload::StepInterrupted {
                     assistant_message_id: assistant,
-                    reason: InterruptReason::User,
+                    reason: self.engine.interrupt_reason(),
                 }));
                 self.engine.commit(self.held, closing).await?;
                 return Err(Error::Interrupted);

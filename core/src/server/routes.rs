@@ -328,6 +328,8 @@ pub async fn resume(
 ) -> Result<(StatusCode, Json<SessionStatus>)> {
     let id = session.id;
     let runner = state.runner.clone();
+    // Durable before the answer, so a resume lost with this process is still carried out.
+    runner.record_resume(id).await?;
     tokio::spawn(async move {
         if let Err(e) = runner.run(id).await {
             tracing::warn!(session = %id, error = %e, "resumed execution ended with an error");

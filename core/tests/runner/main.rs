@@ -22,4 +22,5 @@ mod ownership;
 mod permissions;
 mod recovery;
 mod retries;
+mod shutdown;
 mod steps;

@@ -381,6 +381,45 @@ async fn a_lost_wake_is_redriven() {
 }
 
 #[tokio::test]
+async fn an_explicit_resume_is_recorded_durably_before_pending_input_is_promoted() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.session().await;
+    // Admitted without execution intent: nothing would ever run it by itself.
+    let clock = h.store.clock().clone();
+    let admission = keel_core::inbox::Admission {
+        request_execution: false,
+        ..keel_core::inbox::Admission::prompt(vec![keel_schema::types::Part::Text {
+            text: "hello".into(),
+        }])
+    };
+    h.store
+        .write(move |c| keel_core::inbox::admit(c, clock.now_ms(), session, admission))
+        .await
+        .unwrap();
+    assert!(
+        Recovery::default()
+            .pass(&h.runner)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // The resume is recorded, and its run is lost with its process.
+    h.runner.record_resume(session).await.unwrap();
+    let kinds = h.kinds(session).await;
+    assert_eq!(kinds.last().unwrap(), "prompt.execution_requested");
+    assert!(!kinds.contains(&"prompted".to_owned()));
+    let restarted = h.other_runner();
+    let report = Recovery::default().pass(&restarted).await.unwrap();
+    assert_eq!(report.redriven, vec![session]);
+    restarted.run(session).await.unwrap();
+    let kinds = h.kinds(session).await;
+    let requested = kinds.iter().position(|k| k == "prompt.execution_requested");
+    let prompted = kinds.iter().position(|k| k == "prompted");
+    assert!(requested < prompted && prompted.is_some(), "{kinds:?}");
+    assert!(kinds.contains(&"step.ended".to_owned()));
+}
+
+#[tokio::test]
 async fn poison_claims_are_quarantined_and_valid_work_behind_a_full_batch_still_wakes() {
     let h = Harness::new(Setup::default()).await;
     // A finished session whose assistant message the poison rows point at.

@@ -37,6 +37,11 @@ pub struct Serve {
     #[arg(long, env = "KEEL_HEARTBEAT_MS", default_value_t = 15_000,
           value_parser = clap::value_parser!(u64).range(node::MIN_HEARTBEAT_MS..))]
     heartbeat_ms: u64,
+    /// After SIGTERM or Ctrl-C, how long running steps get to reach a boundary before they
+    /// are stopped (`step.interrupted` with reason `shutdown`); the session continues when
+    /// Keel starts again. In milliseconds.
+    #[arg(long, env = "KEEL_SHUTDOWN_GRACE_MS", default_value_t = 10_000)]
+    shutdown_grace_ms: u64,
     /// Pooled read connections to the database (besides the writer's one and, on
     /// PostgreSQL, one for the other nodes' notifications).
     #[arg(long, env = "KEEL_DB_READERS", default_value_t = 4,
@@ -59,6 +64,7 @@ pub async fn serve(args: Serve) -> Result<()> {
         },
         lease_ms: args.lease_ms,
         heartbeat: Duration::from_millis(args.heartbeat_ms),
+        step_grace: Duration::from_millis(args.shutdown_grace_ms),
         ..Options::new(db.clone(), config)
     };
     let node = Node::start(options).await?;
