@@ -50,7 +50,7 @@ impl Client {
             .await
     }
 
-    /// `POST /api/session/{id}/prompt`: Admit a prompt. Same id and content returns the original (`replayed: true`); same id with other content is a 409.
+    /// `POST /api/session/{id}/prompt`: Admit a prompt. The same idempotency key (`id` or the `Idempotency-Key` header) with the same content returns the original (`replayed: true`); with other content it is a 409.
     pub async fn prompt(&self, id: SessionId, body: &PromptRequest) -> Result<PromptResponse, Error> {
         self.call_json(reqwest::Method::POST, format!("/api/session/{id}/prompt"), None::<&()>, Some(body))
             .await

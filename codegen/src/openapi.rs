@@ -37,6 +37,15 @@ fn operation(route: &Route, generator: &mut SchemaGenerator) -> Value {
             })
         })
         .collect();
+    parameters.extend(route.headers.iter().map(|header| {
+        json!({
+            "name": header.name,
+            "in": "header",
+            "required": false,
+            "description": header.description,
+            "schema": {"type": "string", "minLength": 1, "maxLength": header.max_length},
+        })
+    }));
     if let Some(query) = route.query {
         let schema = (query.inline)(generator).to_value();
         let required: Vec<&str> = schema["required"]

@@ -85,6 +85,14 @@ pub struct Param {
     pub ty: Type,
 }
 
+/// An optional request header the route reads: a string of 1 to `max_length` characters.
+#[derive(Debug, Clone, Copy)]
+pub struct Header {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub max_length: usize,
+}
+
 /// What a route answers with on success.
 #[derive(Debug, Clone, Copy)]
 pub enum Response {
@@ -106,6 +114,8 @@ pub struct Route {
     pub operation: &'static str,
     pub summary: &'static str,
     pub params: &'static [Param],
+    /// Optional request headers beyond the bearer token.
+    pub headers: &'static [Header],
     pub query: Option<Type>,
     pub body: Option<Type>,
     pub response: Response,
@@ -150,6 +160,7 @@ impl Route {
             operation,
             summary: "",
             params: &[],
+            headers: &[],
             query: None,
             body: None,
             response,
@@ -181,6 +192,11 @@ impl Route {
 
     const fn params(mut self, params: &'static [Param]) -> Self {
         self.params = params;
+        self
+    }
+
+    const fn headers(mut self, headers: &'static [Header]) -> Self {
+        self.headers = headers;
         self
     }
 
@@ -263,10 +279,17 @@ pub const ROUTES: &[Route] = &[
         json(202, ty!(PromptResponse)),
     )
     .summary(
-        "Admit a prompt. Same id and content returns the original (`replayed: true`); \
-                  same id with other content is a 409.",
+        "Admit a prompt. The same idempotency key (`id` or the `Idempotency-Key` header) \
+                  with the same content returns the original (`replayed: true`); with other \
+                  content it is a 409.",
     )
     .params(&[SESSION])
+    .headers(&[Header {
+        name: "Idempotency-Key",
+        description: "The idempotency key, as an alternative to the body's `id` (equal to it \
+                      when both are sent), in visible ASCII.",
+        max_length: 128,
+    }])
     .body(ty!(PromptRequest))
     .conflicts(),
     Route::post(

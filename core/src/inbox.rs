@@ -233,6 +233,41 @@ pub fn select(pending: &[Pending], boundary: Boundary) -> Selection {
     }
 }
 
+/// The longest idempotency key a client may send, in characters.
+pub const MAX_KEY_CHARS: usize = 128;
+
+/// The input id a client's idempotency key maps to in `session_id`. An `inp_` id is
+/// its own key (the input gets that id, and reusing it in another session is a
+/// conflict); any other key (1 to [`MAX_KEY_CHARS`] characters, no control character)
+/// maps to an id derived from the session and the key, so the same key names the same
+/// input on every node and after every restart, with nothing stored beside the log.
+pub fn keyed_id(session_id: SessionId, key: &str) -> Result<InputId, Error> {
+    if let Ok(id) = key.parse::<InputId>() {
+        return Ok(id);
+    }
+    let chars = key.chars().count();
+    if chars == 0 || chars > MAX_KEY_CHARS {
+        return Err(Error::Invalid(format!(
+            "an idempotency key has 1 to {MAX_KEY_CHARS} characters (this one has {chars})"
+        )));
+    }
+    if key.chars().any(char::is_control) {
+        return Err(Error::Invalid(
+            "an idempotency key has no control characters".into(),
+        ));
+    }
+    use sha1::Digest;
+    let mut hash = sha1::Sha1::new();
+    hash.update(b"keel idempotency key\0");
+    hash.update(session_id.to_string().as_bytes());
+    hash.update(b"\0");
+    hash.update(key.as_bytes());
+    let digest = hash.finalize();
+    let mut bits = [0u8; 16];
+    bits.copy_from_slice(&digest[..16]);
+    Ok(InputId::from_ulid(ulid::Ulid(u128::from_be_bytes(bits))))
+}
+
 /// Records an explicit resume durably: every pending input of the session admitted
 /// without execution intent gets `prompt.execution_requested`, so a resume whose run is
 /// lost with its process is redriven like any admitted intent. Returns what was written.
@@ -384,6 +419,26 @@ mod tests {
             kind,
             delivery,
             source: InputSource::User,
+        }
+    }
+
+    #[test]
+    fn an_idempotency_key_names_one_input_per_session() {
+        let a = SessionId::new();
+        let b = SessionId::new();
+        let key = "order 42, attempt";
+        let id = keyed_id(a, key).expect("a valid key");
+        assert_eq!(keyed_id(a, key).expect("a valid key"), id, "stable");
+        assert_ne!(keyed_id(b, key).expect("a valid key"), id, "per session");
+        assert_ne!(keyed_id(a, "order 43").expect("a valid key"), id);
+        let own = InputId::new();
+        assert_eq!(keyed_id(a, &own.to_string()).expect("an input id"), own);
+        assert!(keyed_id(a, &"k".repeat(MAX_KEY_CHARS)).is_ok());
+        for bad in [String::new(), "k".repeat(MAX_KEY_CHARS + 1), "a\nb".into()] {
+            assert!(
+                matches!(keyed_id(a, &bad), Err(Error::Invalid(_))),
+                "{bad:?}"
+            );
         }
     }
 

@@ -6,14 +6,14 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use keel_client::Client;
-use keel_client::schema::api::{CreateSession, LogItem, PromptRequest};
+use keel_client::schema::api::{CreateSession, InputSource, LogItem, PromptRequest};
 use keel_client::schema::event::DurableEvent;
 use keel_client::schema::id::SessionId;
 use keel_client::schema::types::{Outcome, Part};
 use keel_core::config::Config;
 use keel_core::node::{self, Node, Options};
 use keel_core::store::{DbUrl, Store};
-use keel_core::{cluster, execution};
+use keel_core::{cluster, execution, inbox};
 use tokio_util::sync::CancellationToken;
 
 /// Options for a node on a fresh SQLite database in `dir`, on a free loopback port.
@@ -104,7 +104,7 @@ async fn a_node_runs_a_prompt_and_leaves_the_node_list_when_stopped() {
 }
 
 #[tokio::test]
-async fn a_stopped_node_hands_back_the_claims_it_holds() {
+async fn a_stopped_node_stops_its_running_step_releases_the_claim_and_leaves_a_continuation() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     // The model says something, then takes a minute: the session is busy at shutdown.
     std::fs::write(
@@ -120,9 +120,11 @@ async fn a_stopped_node_hands_back_the_claims_it_holds() {
     .expect("the configuration is written");
     let config = Config::load(Some(&dir.path().join("keel.toml"))).expect("keel.toml loads");
     let node = Node::start(Options {
-        // Long enough that only the hand-back can expire the claim during the test.
+        // Long enough that only the release can end the claim during the test.
         lease_ms: 600_000,
         grace: Duration::ZERO,
+        // The step cannot reach a boundary by itself: the grace runs out.
+        step_grace: Duration::from_millis(100),
         ..options(dir.path(), config)
     })
     .await
@@ -143,16 +145,23 @@ async fn a_stopped_node_hands_back_the_claims_it_holds() {
         .expect("the node's task ends")
         .expect("the node stops cleanly");
 
-    let now = store.clock().now_ms();
     let claim = store
         .read(move |c| execution::get(c, session))
         .await
-        .expect("the claim is read")
-        .expect("the claim stays for recovery");
+        .expect("the claim is read");
     assert!(
-        claim.expires_at <= now,
-        "the claim was handed back (expires at {}, now {now})",
-        claim.expires_at
+        claim.is_none(),
+        "the stopped step released its claim: {claim:?}"
+    );
+    let pending = store
+        .read(move |c| inbox::pending(c, session))
+        .await
+        .expect("the inbox is read");
+    assert!(
+        pending
+            .iter()
+            .any(|input| input.source == InputSource::Recovery && input.request_execution),
+        "the work goes on after a restart: {pending:?}"
     );
 }
 

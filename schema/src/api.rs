@@ -113,14 +113,17 @@ pub struct SessionStatus {
 
 /// `POST /api/session/{id}/prompt`.
 ///
-/// Retrying with the same `id` and the same content (parts, delivery, request_execution)
-/// returns the original input with `replayed: true`; other content is a 409.
+/// Retrying with the same idempotency key (`id`, or the `Idempotency-Key` header) and the
+/// same content (parts, delivery, request_execution) returns the original input with
+/// `replayed: true`; other content is a 409.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PromptRequest {
-    /// A client-chosen id that makes retries idempotent.
+    /// The client's idempotency key: any 1–128 characters, none of them a control
+    /// character, unique per session. Keel assigns the input its own id; the key maps to
+    /// it. (An `inp_` id is used as the input's id itself.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub id: Option<InputId>,
+    pub id: Option<String>,
     pub parts: Vec<Part>,
     /// Defaults to `queue`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -99,32 +99,117 @@ async fn a_retried_prompt_is_replayed_and_a_conflicting_one_is_a_409() {
         .create_session(&CreateSession::default())
         .await
         .unwrap();
-    let request = PromptRequest {
-        id: Some(InputId::new()),
-        parts: text("once"),
-        delivery: None,
-        request_execution: Some(false),
+    // An `inp_` id is the input's own id; any other key maps to an id Keel derives.
+    let own_id = InputId::new();
+    for key in [own_id.to_string(), "retry: order #42 / attempt".to_string()] {
+        let request = PromptRequest {
+            id: Some(key.clone()),
+            parts: text(&format!("once for {key}")),
+            delivery: None,
+            request_execution: Some(false),
+        };
+        let first = client.prompt(session.id, &request).await.unwrap();
+        assert!(!first.replayed);
+        if key == own_id.to_string() {
+            assert_eq!(first.input.id, own_id);
+        }
+        let again = client.prompt(session.id, &request).await.unwrap();
+        assert!(again.replayed, "the same key and content replay ({key})");
+        assert_eq!(again.input, first.input);
+        let conflicting = PromptRequest {
+            parts: text("other"),
+            ..request
+        };
+        let err = client.prompt(session.id, &conflicting).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Api {
+                    status: 409,
+                    kind: ErrorType::Conflict,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+    let status = client.session_status(session.id).await.unwrap();
+    assert_eq!(status.pending_inputs, 2, "each key admitted its input once");
+}
+
+#[tokio::test]
+async fn the_idempotency_key_header_replays_and_bad_keys_are_refused_without_a_write() {
+    let server = Server::start(&[]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/api/session/{}/prompt", server.base_url, session.id);
+    let body = r#"{"parts": [{"type": "text", "text": "hi"}], "request_execution": false}"#;
+    let send = |key: Option<&str>, body: String| {
+        let mut request = http
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request.send()
     };
-    let first = client.prompt(session.id, &request).await.unwrap();
-    let again = client.prompt(session.id, &request).await.unwrap();
-    assert!(again.replayed);
-    assert_eq!(again.input, first.input);
-    let conflicting = PromptRequest {
-        parts: text("other"),
-        ..request
-    };
-    let err = client.prompt(session.id, &conflicting).await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Api {
-                status: 409,
-                kind: ErrorType::Conflict,
-                ..
-            }
-        ),
-        "{err}"
+    let first: serde_json::Value = send(Some("k-1"), body.into())
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(first["replayed"], false);
+    // The header and the body's `id` name the same key.
+    let same_in_body =
+        r#"{"id": "k-1", "parts": [{"type": "text", "text": "hi"}], "request_execution": false}"#;
+    let again: serde_json::Value = send(None, same_in_body.into())
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(again["replayed"], true, "{again}");
+    assert_eq!(again["input"], first["input"]);
+    let other_content =
+        r#"{"parts": [{"type": "text", "text": "bye"}], "request_execution": false}"#;
+    assert_eq!(
+        send(Some("k-1"), other_content.into())
+            .await
+            .unwrap()
+            .status(),
+        409
     );
+
+    let too_long = "k".repeat(129);
+    let bad = [
+        (Some("k-2"), same_in_body.to_string()), // header and body differ
+        (
+            None,
+            format!(r#"{{"id": "{too_long}", "parts": [{{"type": "text", "text": "x"}}]}}"#),
+        ),
+        (
+            None,
+            r#"{"id": "", "parts": [{"type": "text", "text": "x"}]}"#.to_string(),
+        ),
+        (
+            None,
+            r#"{"id": "a\u0007b", "parts": [{"type": "text", "text": "x"}]}"#.to_string(),
+        ),
+    ];
+    for (key, body) in bad {
+        let response = send(key, body.clone()).await.unwrap();
+        assert_eq!(response.status(), 422, "{key:?} {body}");
+        let error: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(error["error"]["type"], "unprocessable", "{error}");
+    }
+    let status = client.session_status(session.id).await.unwrap();
+    assert_eq!(status.pending_inputs, 1, "a refused key admits nothing");
 }
 
 #[tokio::test]

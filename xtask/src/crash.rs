@@ -338,7 +338,7 @@ async fn act(
                     Delivery::Queue
                 };
                 let request = PromptRequest {
-                    id: Some(InputId::new()),
+                    id: Some(InputId::new().to_string()),
                     parts: vec![Part::Text {
                         text: format!("task {}", rng.next() % 10_000),
                     }],

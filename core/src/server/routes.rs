@@ -3,7 +3,7 @@
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Query, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use keel_schema::api::{
     Accepted, CreateSession, ErrorType, ExecutionStatus, Health, InterruptResponse,
@@ -245,14 +245,19 @@ async fn admit(state: &AppState, id: SessionId, admission: Admission) -> Result<
 pub async fn prompt(
     State(state): State<AppState>,
     ExistingSession(session): ExistingSession,
+    headers: HeaderMap,
     body: std::result::Result<Json<PromptRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<PromptResponse>)> {
     let Json(body) = body?;
+    let key = idempotency_key(&headers, body.id)?;
+    let id = key
+        .map(|key| inbox::keyed_id(session.id, &key))
+        .transpose()?;
     let admitted = admit(
         &state,
         session.id,
         Admission {
-            id: body.id,
+            id,
             kind: InputKind::Prompt,
             parts: body.parts,
             delivery: body.delivery.unwrap_or_default(),
@@ -269,6 +274,30 @@ pub async fn prompt(
         }),
     ))
 }
+
+/// The prompt's idempotency key: the body's `id` or the standard `Idempotency-Key`
+/// header (both only when they agree).
+fn idempotency_key(headers: &HeaderMap, body: Option<String>) -> Result<Option<String>> {
+    let header = match headers.get(IDEMPOTENCY_KEY) {
+        None => None,
+        Some(value) => Some(value.to_str().map(str::to_owned).map_err(|_| {
+            ApiError::new(
+                ErrorType::Unprocessable,
+                "the Idempotency-Key header must be visible ASCII",
+            )
+        })?),
+    };
+    match (header, body) {
+        (Some(header), Some(body)) if header != body => Err(ApiError::new(
+            ErrorType::Unprocessable,
+            "the Idempotency-Key header and the body's `id` differ; send one of them",
+        )),
+        (header, body) => Ok(header.or(body)),
+    }
+}
+
+/// The standard header naming a request's idempotency key.
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 pub async fn compact(
     State(state): State<AppState>,

@@ -99,7 +99,15 @@ pub(super) fn check_session(
         }
     }
     for sent in ledger.iter().filter(|s| s.session == session) {
-        let Some(id) = sent.request.id else { continue };
+        // The campaign's keys are `inp_` ids, which are the inputs' own ids.
+        let Some(id) = sent
+            .request
+            .id
+            .as_deref()
+            .and_then(|k| k.parse::<InputId>().ok())
+        else {
+            continue;
+        };
         if !admitted.contains(&id) {
             fail(format!("prompt {id} was sent but never admitted"));
         }

@@ -114,7 +114,7 @@ pub async fn prompt(args: Prompt) -> Result<()> {
     };
     let input_id = InputId::new();
     let request = PromptRequest {
-        id: Some(input_id),
+        id: Some(input_id.to_string()),
         parts: vec![Part::Text { text }],
         delivery: args.steer.then_some(Delivery::Steer),
         request_execution: None,
