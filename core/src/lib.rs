@@ -6,6 +6,7 @@
 //! - [`config`]: `keel.toml`: providers, models and agents.
 //! - [`store`]: the database (SQLite or PostgreSQL), migrations, group-committed writes.
 //! - [`event`]: the event log, the projections written from it and the views read from them.
+//! - [`epoch`]: context epochs: the system prompt a session's requests start with.
 //! - [`inbox`]: admission of inputs and their promotion into the transcript.
 //! - [`execution`]: claims, leases and the fence.
 //! - [`coordinator`]: at most one drain per session; wakes, joins, interrupts.
@@ -22,6 +23,7 @@ pub mod clock;
 pub mod cluster;
 pub mod config;
 pub mod coordinator;
+pub mod epoch;
 pub mod event;
 pub mod execution;
 pub mod inbox;

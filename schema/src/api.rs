@@ -291,6 +291,13 @@ pub enum Message {
         text: String,
         reason: SyntheticReason,
     },
+    /// The agent's system prompt as changed during a context epoch: from here on the model
+    /// follows it instead of the epoch's system prompt.
+    System {
+        id: MessageId,
+        seq: u64,
+        system: String,
+    },
     /// A compaction summary; it stands for every message before `boundary_seq`.
     Summary {
         seq: u64,

@@ -210,6 +210,7 @@ async fn a_steering_prompt_joins_the_run_at_the_next_step() {
             Message::User { .. } => "user",
             Message::Assistant { .. } => "assistant",
             Message::Synthetic { .. } => "synthetic",
+            Message::System { .. } => "system",
             Message::Summary { .. } => "summary",
         })
         .collect();

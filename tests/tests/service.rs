@@ -73,13 +73,14 @@ async fn the_demo_model_answers_a_prompt_with_a_tool_call_in_the_documented_orde
         .map(|e| e.event.type_name().trim_start_matches("session.next."))
         .collect();
     assert_eq!(
-        &kinds[..6],
+        &kinds[..7],
         &[
             "created",
             "prompt.admitted",
             "prompt.execution_requested",
             "execution.started",
             "prompted",
+            "context.epoch_started",
             "step.started"
         ]
     );

@@ -33,7 +33,7 @@ use super::view::InputRow;
 use crate::request::{Kind, Reply};
 use crate::store::column::{db_int, text_of};
 use crate::store::fixed::Execute;
-use crate::store::schema::{session, session_input};
+use crate::store::schema::{context_epoch, session, session_input};
 use crate::store::{Conn, Error};
 
 /// Applies one event to the projections. `session_id` is the envelope's session as
@@ -267,7 +267,62 @@ impl Projection<'_> {
                 self.add_usage(e.usage, 0.0)
             }
             DurableEvent::CompactionFailed(_) => Ok(()),
+            DurableEvent::ContextEpochStarted(e) => self.epoch_started(e),
+            DurableEvent::ContextSystemUpdated(e) => {
+                self.insert_message(
+                    e.message_id,
+                    &Message::System {
+                        id: e.message_id,
+                        seq: envelope.seq,
+                        system: e.system.clone(),
+                    },
+                )?;
+                let updated = diesel::update(context_epoch::table.find(self.session_id))
+                    .set(context_epoch::effective_system.eq(&e.system))
+                    .execute(self.connection)?;
+                if updated == 1 {
+                    Ok(())
+                } else {
+                    Err(self.refuse("the session has no context epoch to update"))
+                }
+            }
         }
+    }
+
+    // --- context epochs -------------------------------------------------------------------
+
+    /// A new epoch must follow the last one (epoch 1 when there is none): an advance
+    /// computed from a stale view is refused, and with it the transaction that carries it.
+    fn epoch_started(&mut self, e: &payload::ContextEpochStarted) -> Result<(), Error> {
+        let current: Option<i64> = context_epoch::table
+            .find(self.session_id)
+            .select(context_epoch::epoch)
+            .first(self.connection)
+            .optional()?;
+        let expected = current.map_or(1, |epoch| epoch + 1);
+        if i64::from(e.epoch) != expected {
+            return Err(self.refuse(format!(
+                "epoch {} does not follow the session's epoch {}",
+                e.epoch,
+                current.unwrap_or(0)
+            )));
+        }
+        let values = (
+            context_epoch::epoch.eq(expected),
+            context_epoch::baseline_seq.eq(db_int(e.baseline_seq)?),
+            context_epoch::system.eq(&e.system),
+            context_epoch::effective_system.eq(&e.system),
+        );
+        if current.is_some() {
+            diesel::update(context_epoch::table.find(self.session_id))
+                .set(values)
+                .execute(self.connection)?;
+        } else {
+            diesel::insert_into(context_epoch::table)
+                .values((context_epoch::session_id.eq(self.session_id), values))
+                .execute(self.connection)?;
+        }
+        Ok(())
     }
 
     // --- requests for a person ------------------------------------------------------------
@@ -459,6 +514,7 @@ impl Projection<'_> {
             Message::User { .. } => "user",
             Message::Assistant { .. } => "assistant",
             Message::Synthetic { .. } => "synthetic",
+            Message::System { .. } => "system",
             Message::Summary { .. } => "summary",
         };
         let data = serde_json::to_string(message)

@@ -27,8 +27,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::fence::Held;
 use super::{Engine, Error, context};
-use crate::execution;
 use crate::provider::{self, Event, ToolChoice, Turn};
+use crate::{epoch, execution};
 
 /// The summariser's system prompt.
 const SUMMARY_SYSTEM: &str = "You summarise a coding agent's session so that the agent can \
@@ -54,7 +54,9 @@ pub struct ModelLimits {
 /// How a compaction ended (its events are published either way).
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Compacted {
-    Done,
+    /// The summary committed and the next context epoch began with `system`, the system
+    /// prompt of the requests that follow.
+    Done { system: String },
     /// The summary request failed; `compaction.failed` names why.
     Failed(provider::Error),
     /// An interrupt stopped the summary request.
@@ -191,21 +193,37 @@ impl Engine {
         }
 
         let continues = open_step.is_none() && reason != CompactionReason::Manual;
-        let mut events = vec![DurableEvent::CompactionEnded(payload::CompactionEnded {
+        let ended = DurableEvent::CompactionEnded(payload::CompactionEnded {
             summary,
             boundary_seq,
             usage: usage.unwrap_or_default(),
-        })];
-        if continues {
-            events.push(DurableEvent::Synthetic(payload::Synthetic {
-                message_id: MessageId::new(),
-                text: CONTINUE.into(),
-                reason: SyntheticReason::Continue,
-            }));
-        }
-        self.end(held, open_step, events).await?;
+        });
+        let agent_system = self
+            .agent(&info.agent)
+            .map(|a| a.system)
+            .unwrap_or_default();
+        let (claim, phase) = (held.claim, phase_after(open_step));
+        let (system, envelopes) = self
+            .fenced(held, move |c, now| {
+                // The next epoch starts with the summary, in the same transaction: both
+                // or neither, and never after ownership changed.
+                let (epoch, system) = epoch::advance(c, session, boundary_seq, &agent_system)?;
+                let mut events = vec![ended, epoch];
+                if continues {
+                    events.push(DurableEvent::Synthetic(payload::Synthetic {
+                        message_id: MessageId::new(),
+                        text: CONTINUE.into(),
+                        reason: SyntheticReason::Continue,
+                    }));
+                }
+                let envelopes = crate::event::log::append(c, now, session, events)?;
+                execution::set_phase(c, &claim, phase, open_step)?;
+                Ok((system, envelopes))
+            })
+            .await?;
+        self.publish(&envelopes);
         tracing::info!(%session, ?reason, boundary_seq, "history compacted");
-        Ok(Compacted::Done)
+        Ok(Compacted::Done { system })
     }
 
     async fn end_failed(
@@ -235,11 +253,7 @@ impl Engine {
     ) -> Result<(), Error> {
         let session = held.claim.session_id;
         let claim = held.claim;
-        let phase = if open_step.is_some() {
-            Phase::Running
-        } else {
-            Phase::Claimed
-        };
+        let phase = phase_after(open_step);
         let envelopes = self
             .fenced(held, move |c, now| {
                 let envelopes = crate::event::log::append(c, now, session, events)?;
@@ -257,12 +271,22 @@ impl Engine {
     }
 }
 
+/// The phase of the work that goes on after a compaction: the open step's, or none yet.
+fn phase_after(open_step: Option<(MessageId, u64)>) -> Phase {
+    if open_step.is_some() {
+        Phase::Running
+    } else {
+        Phase::Claimed
+    }
+}
+
 /// The seq of the event that created `message`.
 pub(super) fn message_seq(message: &Message) -> u64 {
     match message {
         Message::User { seq, .. }
         | Message::Assistant { seq, .. }
         | Message::Synthetic { seq, .. }
+        | Message::System { seq, .. }
         | Message::Summary { seq, .. } => *seq,
     }
 }

@@ -5,12 +5,20 @@
 //! metadata, tool calls) each followed by exactly one result per call, and, after a
 //! compaction, the summary in place of everything before its boundary. A request never holds a
 //! call without its result: calls are settled before any continuation is sent.
+//!
+//! The system prompt is the context epoch's (`crate::epoch`), not the agent's of the
+//! moment: a change during the epoch is a message of the transcript, sent as user text
+//! ([`SYSTEM_UPDATED`]) where it happened.
 
 use keel_schema::api::{AssistantPart, Message, ToolStatus};
 use keel_schema::types::{ErrorInfo, Part};
 
 use super::compaction::message_seq;
 use crate::provider::{AssistantItem, ToolResult, Turn};
+
+/// How a system prompt changed during the epoch reaches the model.
+pub const SYSTEM_UPDATED: &str = "The system instructions changed. From here on, follow \
+    these instead of the ones you were given at the start:";
 
 /// The turns of a transcript. The latest summary stands for every message before its
 /// boundary: it comes first, followed by the messages from the boundary on.
@@ -43,6 +51,11 @@ pub fn turns(messages: &[Message]) -> Vec<Turn> {
             }),
             Message::Synthetic { text, .. } => turns.push(Turn::User {
                 parts: vec![Part::Text { text: text.clone() }],
+            }),
+            Message::System { system, .. } => turns.push(Turn::User {
+                parts: vec![Part::Text {
+                    text: format!("{SYSTEM_UPDATED}\n\n{system}"),
+                }],
             }),
             Message::Summary { .. } => {}
             Message::Assistant { parts, .. } => {

@@ -21,10 +21,10 @@ use super::{Engine, Error, compaction, shutdown, step};
 use crate::coordinator::Request;
 use crate::event::log;
 use crate::event::view::{self, Transcript};
-use crate::execution;
 use crate::inbox::{self, Boundary, Promotion};
 use crate::request::{self, Kind};
 use crate::store::{self, Conn};
+use crate::{epoch, execution};
 
 /// What a boundary's transaction decided.
 enum AtBoundary {
@@ -47,6 +47,8 @@ enum AtBoundary {
         info: Option<view::SessionInfo>,
         next: Option<u32>,
         started: Option<(MessageId, u64)>,
+        /// The context epoch's system prompt, when a step follows.
+        system: Option<String>,
     },
 }
 
@@ -215,6 +217,21 @@ impl Engine {
                         transcript.messages(),
                         counted,
                     );
+                    // The step's context: its epoch, and the agent's system prompt if it
+                    // changed (a message the step then sends).
+                    let agent = info.as_ref().and_then(|info| settings.agent(&info.agent));
+                    let system = match (agent, next) {
+                        (Some(agent), Some(_)) => {
+                            let (system, envelopes) =
+                                epoch::establish(c, now, session, &agent.system)?;
+                            if !envelopes.is_empty() {
+                                written.extend(envelopes);
+                                transcript.refresh(c, session)?;
+                            }
+                            Some(system)
+                        }
+                        _ => None,
+                    };
                     // The step's start rides along when nothing has to come before it.
                     let started = match (&info, next) {
                         (Some(info), Some(number)) if settings.starts_directly(info) => {
@@ -232,10 +249,12 @@ impl Engine {
                         info,
                         next,
                         started,
+                        system,
                     })
                 })
                 .await;
-            let (promotion, envelopes, refreshed, info, next, started) = match boundary_work {
+            let (promotion, envelopes, refreshed, info, next, started, system) = match boundary_work
+            {
                 Ok(AtBoundary::Next {
                     promotion,
                     written,
@@ -243,7 +262,8 @@ impl Engine {
                     info,
                     next,
                     started,
-                }) => (promotion, written, transcript, info, next, started),
+                    system,
+                }) => (promotion, written, transcript, info, next, started, system),
                 Ok(AtBoundary::HandedBack(written)) => {
                     // The claim is gone with the transaction: nothing runs this session
                     // until a reply (or an interrupt) claims it afresh.
@@ -300,15 +320,14 @@ impl Engine {
             };
             step_number = number;
             let info = info.ok_or_else(|| Error::Config(format!("no session {session}")))?;
+            let start = step::Start {
+                number: step_number,
+                info,
+                started,
+                system,
+            };
             let step = self
-                .step(
-                    &held,
-                    step_number,
-                    transcript.messages(),
-                    info,
-                    started,
-                    &cancel,
-                )
+                .step(&held, start, transcript.messages(), &cancel)
                 .await?;
             boundary = step.boundary_after();
             ended = Some(step);
@@ -418,12 +437,17 @@ fn recovered_step(messages: &[Message]) -> Option<u32> {
 /// (an explicit run) also continues a step that asked for tools or was cut short; a mere
 /// wake does not, so a spurious wake never restarts a finished tool loop.
 fn awaits_model(messages: &[Message], resume: bool) -> bool {
-    match messages.last() {
+    // A changed system prompt is context for the turn that follows, not a turn.
+    match messages
+        .iter()
+        .rev()
+        .find(|m| !matches!(m, Message::System { .. }))
+    {
         None => false,
         Some(Message::User { .. } | Message::Synthetic { .. }) => true,
         // A summary ends a manual compaction; an automatic one is followed by its
         // continuation.
-        Some(Message::Summary { .. }) => false,
+        Some(Message::Summary { .. } | Message::System { .. }) => false,
         Some(Message::Assistant { end, .. }) => match end {
             Some(StepEnd::Ended {
                 finish: Finish::ToolCalls,

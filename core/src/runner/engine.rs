@@ -73,13 +73,9 @@ impl Engine {
     }
 
     pub(super) fn agent(&self, name: &str) -> Result<Agent, Error> {
-        match self.settings.agents.get(name) {
-            Some(agent) => Ok(agent.clone()),
-            None if name == "build" => Ok(Agent::default()),
-            None => Err(Error::Config(format!(
-                "no agent named `{name}` is configured"
-            ))),
-        }
+        self.settings
+            .agent(name)
+            .ok_or_else(|| Error::Config(format!("no agent named `{name}` is configured")))
     }
 
     /// The session's directory, agent and model.

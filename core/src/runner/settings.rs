@@ -61,6 +61,15 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// The agent named `name`: a configured one, or the built-in `build`.
+    pub(super) fn agent(&self, name: &str) -> Option<Agent> {
+        match self.agents.get(name) {
+            Some(agent) => Some(agent.clone()),
+            None if name == "build" => Some(Agent::default()),
+            None => None,
+        }
+    }
+
     /// Whether a step of a session with `info` may start in the boundary's transaction:
     /// its agent and provider resolve (a step that cannot gets its error before
     /// `step.started`), and its model has no limits (automatic compaction, which comes

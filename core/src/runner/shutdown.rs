@@ -74,7 +74,12 @@ pub(super) fn continue_after_restart(
 /// or a step that asked for tools, or one a shutdown cut off. A step that waits for a
 /// person (still open) goes on when the reply comes, not here.
 fn goes_on(messages: &[Message]) -> bool {
-    match messages.last() {
+    // A changed system prompt is context for the turn that follows, not a turn.
+    match messages
+        .iter()
+        .rev()
+        .find(|m| !matches!(m, Message::System { .. }))
+    {
         Some(Message::User { .. } | Message::Synthetic { .. }) => true,
         Some(Message::Assistant { end, .. }) => matches!(
             end,
@@ -86,6 +91,6 @@ fn goes_on(messages: &[Message]) -> bool {
                 }
             )
         ),
-        Some(Message::Summary { .. }) | None => false,
+        Some(Message::Summary { .. } | Message::System { .. }) | None => false,
     }
 }

@@ -96,6 +96,20 @@ pub(super) fn start_step(
     Ok(((assistant, seq), envelopes))
 }
 
+/// What a step starts from, decided at the boundary before it.
+#[derive(Debug)]
+pub(super) struct Start {
+    pub number: u32,
+    /// The session's directory, agent and model.
+    pub info: view::SessionInfo,
+    /// The assistant message and `step.started` seq, when the boundary wrote that event
+    /// ([`start_step`]).
+    pub started: Option<(MessageId, u64)>,
+    /// The context epoch's system prompt (`crate::epoch`); the agent's when the boundary
+    /// established none.
+    pub system: Option<String>,
+}
+
 /// A step that ended (`step.ended`, or `step.interrupted` after a refused permission or
 /// a dismissed question) with its closing events not yet written: the drain commits them
 /// in the next boundary's transaction, one write where there were two.
@@ -243,21 +257,17 @@ pub(super) struct Step<'a> {
 }
 
 impl Engine {
-    /// Runs one step of `held`'s session. `messages` is the transcript to send and `info`
-    /// the session's settings, both read at the boundary before it; `started` its
-    /// assistant message and `step.started` seq when the boundary wrote that event
-    /// ([`start_step`]). A step that failed or was interrupted has written its end; one
-    /// that ended returns it unwritten.
+    /// Runs one step of `held`'s session. `messages` is the transcript to send, read at
+    /// the boundary before it, like `start`. A step that failed or was interrupted has
+    /// written its end; one that ended returns it unwritten.
     pub(super) async fn step(
         &self,
         held: &Held,
-        number: u32,
+        start: Start,
         messages: &[Message],
-        info: view::SessionInfo,
-        started: Option<(MessageId, u64)>,
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
-        let step = Step::start(self, held, number, messages, info, started, cancel).await?;
+        let step = Step::start(self, held, start, messages, cancel).await?;
         self.drive(step).await
     }
 
@@ -308,12 +318,16 @@ impl<'a> Step<'a> {
     async fn start(
         engine: &'a Engine,
         held: &'a Held,
-        number: u32,
+        start: Start,
         messages: &[Message],
-        info: view::SessionInfo,
-        started: Option<(MessageId, u64)>,
         cancel: &'a CancellationToken,
     ) -> Result<Self, Error> {
+        let Start {
+            number,
+            info,
+            started,
+            system,
+        } = start;
         let session = held.claim.session_id;
         let agent = engine.agent(&info.agent)?;
         let provider = engine.provider(&info.model)?;
@@ -321,7 +335,7 @@ impl<'a> Step<'a> {
         let limits = engine.limits(&info.model);
         let mut request = provider::Request {
             model: info.model.clone(),
-            system: agent.system.clone(),
+            system: system.unwrap_or_else(|| agent.system.clone()),
             turns: context::turns(messages),
             tools: engine.specs.clone(),
             tool_choice: if last_step {
@@ -340,7 +354,8 @@ impl<'a> Step<'a> {
                 .compact(held, CompactionReason::Auto, None, None, cancel)
                 .await?
             {
-                Compacted::Done => {
+                Compacted::Done { system } => {
+                    request.system = system;
                     request.turns = context::turns(&engine.messages(session).await?);
                 }
                 Compacted::Interrupted => return Err(Error::Interrupted),
@@ -618,8 +633,9 @@ impl<'a> Step<'a> {
             )
             .await?;
         Ok(match compacted {
-            Compacted::Done => {
+            Compacted::Done { system } => {
                 let session = self.held.claim.session_id;
+                self.request.system = system;
                 self.request.turns = context::turns(&self.engine.messages(session).await?);
                 Response::streaming(self.provider.stream(&self.request))
             }

@@ -109,6 +109,8 @@ diesel::table! {
         session_id -> Text,
         epoch -> BigInt,
         baseline_seq -> BigInt,
+        system -> Text,
+        effective_system -> Text,
     }
 }
 

@@ -44,12 +44,12 @@ fn say(stream: &Sender, text: &str) {
 }
 
 /// Queues a response that says `text`.
-fn answer(h: &Harness, text: &str) {
+pub(crate) fn answer(h: &Harness, text: &str) {
     say(&h.driven.queue(), text);
 }
 
 /// Queues a response that fails at once with `error`.
-fn failing(h: &Harness, error: provider::Error) {
+pub(crate) fn failing(h: &Harness, error: provider::Error) {
     h.driven.queue().send(Err(error)).unwrap();
 }
 
@@ -78,17 +78,17 @@ fn read_call(h: &Harness, id: &str, path: &str) {
     }
 }
 
-async fn driven_prompt(h: &Harness, session: SessionId, text: &str) {
+pub(crate) async fn driven_prompt(h: &Harness, session: SessionId, text: &str) {
     h.admit(session, text, Delivery::Queue).await;
 }
 
 /// What the `n`th request to the driven provider sent.
-fn request(h: &Harness, n: usize) -> provider::Request {
+pub(crate) fn request(h: &Harness, n: usize) -> provider::Request {
     h.driven.requests.lock().unwrap()[n].clone()
 }
 
 /// The text of a user turn.
-fn user_text(turn: &Turn) -> String {
+pub(crate) fn user_text(turn: &Turn) -> String {
     match turn {
         Turn::User { parts } => format!("{parts:?}"),
         other => panic!("not a user turn: {other:?}"),
@@ -132,7 +132,23 @@ fn compactions(log: &[keel_schema::event::Envelope]) -> Vec<&'static str> {
 
 /// A session that has answered once (a `read` call, then text), so its history holds a
 /// tool call and its result.
-async fn with_history(h: &Harness) -> SessionId {
+/// Admits a manual compaction, without running it.
+pub(crate) async fn request_compaction(h: &Harness, session: SessionId) {
+    let clock = h.store.clock().clone();
+    h.store
+        .write(move |c| {
+            let compact = Admission {
+                kind: InputKind::Compact,
+                parts: Vec::new(),
+                ..Admission::prompt(Vec::new())
+            };
+            inbox::admit(c, clock.now_ms(), session, compact)
+        })
+        .await
+        .unwrap();
+}
+
+pub(crate) async fn with_history(h: &Harness) -> SessionId {
     std::fs::write(h.workspace.path().join("a.txt"), "alpha\n").unwrap();
     let session = h.session_on("driven").await;
     driven_prompt(h, session, "Read a.txt.").await;
@@ -160,6 +176,7 @@ async fn an_overflow_before_output_is_recovered_by_one_compaction_and_a_retry() 
             "step.started",
             "compaction.started",
             "compaction.ended",
+            "context.epoch_started",
             "text.started",
             "text.ended",
             "step.ended",
@@ -314,18 +331,7 @@ async fn interrupting_the_summary_stops_it_and_the_step() {
 async fn a_manual_compaction_summarises_the_history_for_later_turns() {
     let h = Harness::new(Setup::default()).await;
     let session = with_history(&h).await;
-    let clock = h.store.clock().clone();
-    h.store
-        .write(move |c| {
-            let compact = Admission {
-                kind: InputKind::Compact,
-                parts: Vec::new(),
-                ..Admission::prompt(Vec::new())
-            };
-            inbox::admit(c, clock.now_ms(), session, compact)
-        })
-        .await
-        .unwrap();
+    request_compaction(&h, session).await;
     answer(&h, "Read a.txt: alpha.");
     h.runner.run(session).await.unwrap();
     let log = h.log(session).await;
@@ -384,6 +390,7 @@ async fn the_context_is_compacted_automatically_at_the_model_limit() {
             "prompted",
             "compaction.started",
             "compaction.ended",
+            "context.epoch_started",
             "synthetic",
             "step.started",
             "text.started",

@@ -16,6 +16,7 @@ mod support;
 mod anthropic;
 mod cancellation;
 mod compaction;
+mod epochs;
 mod faults;
 mod openai;
 mod ownership;

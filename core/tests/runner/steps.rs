@@ -23,6 +23,7 @@ async fn a_prompt_produces_the_documented_event_order() {
             "prompt.execution_requested",
             "execution.started",
             "prompted",
+            "context.epoch_started",
             "step.started",
             "text.started",
             "text.ended",
@@ -32,8 +33,8 @@ async fn a_prompt_produces_the_documented_event_order() {
     );
     assert!(!h.claim_exists(session).await);
     let log = h.log(session).await;
-    let DurableEvent::TextEnded(ended) = &log[7].event else {
-        panic!("{:?}", log[7])
+    let DurableEvent::TextEnded(ended) = &log[8].event else {
+        panic!("{:?}", log[8])
     };
     assert_eq!(ended.text, "Hello.");
 }

@@ -401,6 +401,23 @@ impl Harness {
             .unwrap();
     }
 
+    /// Another process on the same database with another configuration: the built-in
+    /// agent's system prompt is `system`.
+    pub fn runner_with_system(&self, system: &str) -> Runner {
+        let mut settings = Settings {
+            owner: OwnerId::new(),
+            ..self.settings.clone()
+        };
+        settings.agents.insert(
+            "build".into(),
+            Agent {
+                system: system.into(),
+                ..Agent::default()
+            },
+        );
+        Runner::new(self.store.clone(), settings)
+    }
+
     /// Another process on the same database: same tools and providers, a new owner.
     pub fn other_runner(&self) -> Runner {
         Runner::new(

@@ -4,7 +4,7 @@
 use diesel::prelude::*;
 use keel_core::inbox::{self, Admission, Boundary, Promotion};
 use keel_core::store::schema::{
-    session, session_input, session_message, session_request, session_tool,
+    context_epoch, session, session_input, session_message, session_request, session_tool,
 };
 use keel_core::store::{Conn, Store};
 use keel_schema::event::{DurableEvent, payload};
@@ -72,6 +72,11 @@ pub async fn write(store: &Store) -> SessionId {
         .append(
             session,
             vec![
+                DurableEvent::ContextEpochStarted(payload::ContextEpochStarted {
+                    epoch: 1,
+                    system: "You are a careful engineer.".into(),
+                    baseline_seq: 0,
+                }),
                 DurableEvent::StepStarted(payload::StepStarted {
                     assistant_message_id: first,
                     step: 1,
@@ -160,6 +165,11 @@ pub async fn write(store: &Store) -> SessionId {
         .append(
             session,
             vec![
+                // The agent's prompt changed between the steps.
+                DurableEvent::ContextSystemUpdated(payload::ContextSystemUpdated {
+                    message_id: MessageId::new(),
+                    system: "You are a careful engineer who explains every change.".into(),
+                }),
                 DurableEvent::StepStarted(payload::StepStarted {
                     assistant_message_id: second,
                     step: 2,
@@ -258,6 +268,8 @@ pub struct Rows {
     pub inputs: Vec<keel_core::event::view::InputRow>,
     /// id, call id, kind, tool, asked seq, state, reply, always.
     pub requests: Vec<RequestRow>,
+    /// epoch, baseline seq, system, effective system.
+    pub epoch: Vec<(i64, i64, String, String)>,
 }
 
 pub type RequestRow = (
@@ -348,11 +360,22 @@ pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
         ))
         .load(connection)
         .unwrap();
+    let epoch = context_epoch::table
+        .filter(context_epoch::session_id.eq(&id))
+        .select((
+            context_epoch::epoch,
+            context_epoch::baseline_seq,
+            context_epoch::system,
+            context_epoch::effective_system,
+        ))
+        .load(connection)
+        .unwrap();
     Rows {
         session,
         messages,
         tools,
         inputs,
         requests,
+        epoch,
     }
 }

@@ -4,6 +4,7 @@
 
 mod support;
 
+mod epoch;
 mod execution;
 mod inbox;
 mod lifecycle;

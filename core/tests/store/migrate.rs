@@ -4,10 +4,12 @@ use diesel::RunQueryDsl;
 use keel_core::store::{DbUrl, Error, Options, Store};
 
 use crate::backend_tests;
+use crate::lifecycle::{self, rows};
 use crate::support::TestDb;
 
 backend_tests!(
     concurrent_first_opens_migrate_once,
+    a_populated_database_keeps_every_row_across_the_context_epoch_migration,
     a_database_from_a_newer_keel_is_refused_with_a_message_that_says_so,
 );
 
@@ -57,6 +59,91 @@ async fn a_database_from_a_newer_keel_is_refused_with_a_message_that_says_so(db:
     assert!(message.contains("migrated by a newer keel"), "{message}");
     assert!(message.contains("99991231000000"), "{message}");
     assert!(message.contains("upgrade keel"), "{message}");
+}
+
+/// The newest migration rebuilds `session_message` on SQLite (a CHECK cannot change in
+/// place) under the rows `session_tool` references: taken back and run again on a
+/// database with a whole session in it, every row is still there and still consistent.
+async fn a_populated_database_keeps_every_row_across_the_context_epoch_migration(db: TestDb) {
+    const VERSION: &str = "20261204000001";
+    let down = match db.url {
+        DbUrl::Sqlite(_) => {
+            include_str!("../../migrations/sqlite/2026-12-04-000001_context_epoch_system/down.sql")
+        }
+        DbUrl::Postgres(_) => include_str!(
+            "../../migrations/postgres/2026-12-04-000001_context_epoch_system/down.sql"
+        ),
+    };
+    let store = db.open().await;
+    let session = lifecycle::write(&store).await;
+    let before = store
+        .read(move |c| Ok::<_, Error>(rows(c, session)))
+        .await
+        .unwrap();
+    store
+        .write(move |c| {
+            use diesel::connection::SimpleConnection;
+            c.batch_execute(down)?;
+            diesel::sql_query(format!(
+                "DELETE FROM __diesel_schema_migrations WHERE version = '{VERSION}'"
+            ))
+            .execute(c)?;
+            Ok::<_, Error>(())
+        })
+        .await
+        .unwrap();
+    drop(store);
+
+    let store = Store::open(db.url.clone(), db.options()).await.unwrap();
+    let after = store
+        .read(move |c| Ok::<_, Error>(rows(c, session)))
+        .await
+        .unwrap();
+    // Taking the migration back drops what only it can hold: the message of role
+    // `system` and the epoch's prompts.
+    let kept = |rows: &lifecycle::Rows| -> Vec<_> {
+        rows.messages
+            .iter()
+            .filter(|m| m.2 != "system")
+            .cloned()
+            .collect()
+    };
+    assert_eq!(kept(&after), kept(&before));
+    assert_eq!(after.messages.len() + 1, before.messages.len());
+    assert_eq!(after.tools, before.tools);
+    assert_eq!(after.inputs, before.inputs);
+    assert_eq!(after.requests, before.requests);
+    assert_eq!(after.session, before.session);
+    if let DbUrl::Sqlite(_) = db.url {
+        #[derive(diesel::QueryableByName)]
+        struct Violation {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            table: String,
+        }
+        let violations = store
+            .read(|c| {
+                diesel::sql_query("PRAGMA foreign_key_check")
+                    .load::<Violation>(c)
+                    .map_err(Error::from)
+            })
+            .await
+            .unwrap();
+        let tables: Vec<String> = violations.into_iter().map(|v| v.table).collect();
+        assert!(tables.is_empty(), "{tables:?}");
+    }
+    // The rebuilt table takes the new role.
+    store
+        .append(
+            session,
+            vec![keel_schema::event::DurableEvent::ContextSystemUpdated(
+                keel_schema::event::payload::ContextSystemUpdated {
+                    message_id: keel_schema::id::MessageId::new(),
+                    system: "again".into(),
+                },
+            )],
+        )
+        .await
+        .unwrap();
 }
 
 #[test]

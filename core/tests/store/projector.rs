@@ -89,7 +89,7 @@ async fn a_full_prompt_lifecycle_projects_the_transcript_tools_inputs_and_totals
     assert!((cost - 0.75).abs() < 1e-9);
 
     let roles: Vec<&str> = rows.messages.iter().map(|m| m.2.as_str()).collect();
-    assert_eq!(roles, vec!["user", "assistant", "assistant"]);
+    assert_eq!(roles, vec!["user", "assistant", "system", "assistant"]);
     let transcript: Vec<Message> = rows
         .messages
         .iter()
@@ -134,8 +134,15 @@ async fn a_full_prompt_lifecycle_projects_the_transcript_tools_inputs_and_totals
             ("write".into(), ToolStatus::Error)
         ]
     );
-    let Message::Assistant { parts, .. } = &transcript[2] else {
+    let Message::System { system, .. } = &transcript[2] else {
         panic!("{:?}", transcript[2])
+    };
+    assert_eq!(
+        system,
+        "You are a careful engineer who explains every change."
+    );
+    let Message::Assistant { parts, .. } = &transcript[3] else {
+        panic!("{:?}", transcript[3])
     };
     assert_eq!(
         parts,

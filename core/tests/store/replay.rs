@@ -31,6 +31,10 @@ async fn replaying_a_full_prompt_lifecycle_into_a_fresh_database_reproduces_ever
     // The refused write's request, settled with its call.
     assert_eq!(original.requests.len(), 1);
     assert_eq!(original.requests[0].5, "settled");
+    // Epoch 1, its prompt changed once.
+    assert_eq!(original.epoch.len(), 1);
+    assert_ne!(original.epoch[0].2, original.epoch[0].3);
+    assert!(original.messages.iter().any(|m| m.2 == "system"));
     assert_eq!(rebuilt, original);
     assert_eq!(
         target.read_log(session, 0, 1000).await.unwrap(),

@@ -267,6 +267,8 @@ events! {
         CompactionStarted(payload::CompactionStarted) = "session.next.compaction.started" @ 1;
         CompactionEnded(payload::CompactionEnded) = "session.next.compaction.ended" @ 1;
         CompactionFailed(payload::CompactionFailed) = "session.next.compaction.failed" @ 1;
+        ContextEpochStarted(payload::ContextEpochStarted) = "session.next.context.epoch_started" @ 1;
+        ContextSystemUpdated(payload::ContextSystemUpdated) = "session.next.context.system_updated" @ 1;
     }
 }
 

@@ -789,6 +789,49 @@ impl Example for CompactionFailed {
     }
 }
 
+/// A context epoch began: the system prompt every request of the epoch starts with,
+/// fixed until the next epoch so provider prompt caches keep hitting. Epoch 1 comes with
+/// the session's first step; each later one with a completed compaction, whose summary
+/// stands for the history before `baseline_seq`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContextEpochStarted {
+    /// 1, then one more than the epoch before.
+    pub epoch: u32,
+    pub system: String,
+    /// The first seq whose messages are sent as they are (0: the whole log).
+    pub baseline_seq: u64,
+}
+
+impl Example for ContextEpochStarted {
+    fn example() -> Self {
+        Self {
+            epoch: 2,
+            system: "You are Keel's build agent, a careful software engineer.".into(),
+            baseline_seq: 40,
+        }
+    }
+}
+
+/// The agent's system prompt changed during the epoch (new configuration, another
+/// agent): the new text is added to the transcript as a message, and the epoch's system
+/// prompt stays as it was. The next epoch starts from it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContextSystemUpdated {
+    pub message_id: MessageId,
+    pub system: String,
+}
+
+impl Example for ContextSystemUpdated {
+    fn example() -> Self {
+        Self {
+            message_id: sample::message(),
+            system: "You are Keel's review agent: read, never write.".into(),
+        }
+    }
+}
+
 /// Streamed text of an open text fragment (ephemeral, batched).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
