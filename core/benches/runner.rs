@@ -111,7 +111,7 @@ impl Bench {
         self.store
             .write(move |c| {
                 let now = clock.now_ms();
-                log::append(c, now, session, vec![created])?;
+                log::append(c, now, session, vec![created.clone()])?;
                 inbox::admit(c, now, session, prompt()).map_err(|e| store_error(&e))?;
                 Ok::<_, store::Error>(())
             })

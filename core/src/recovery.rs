@@ -332,7 +332,7 @@ async fn quarantine(
     store
         .write(move |c| {
             diesel::update(selected!(candidate, clock.now_ms()))
-                .set(session_execution::recovery_error.eq(reason))
+                .set(session_execution::recovery_error.eq(&reason))
                 .execute(c)
                 .map(|updated| updated == 1)
                 .map_err(store::Error::from)

@@ -237,11 +237,15 @@ impl Store {
 
     /// Runs `write` on the writer thread, in its own savepoint of a group-committed
     /// transaction. An `Err` rolls back this write alone. Resolves after the commit.
+    ///
+    /// `write` may run more than once: on PostgreSQL, a batch the database aborts to
+    /// resolve a conflict with another node's transaction runs again from its start. It
+    /// must do nothing but its statements (no side effect outside the transaction).
     pub async fn write<T, E, F>(&self, write: F) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
-        F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
+        F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
         self.inner.writer.submit(write).await
     }

@@ -380,7 +380,7 @@ impl Store {
         events: Vec<DurableEvent>,
     ) -> Result<Vec<Envelope>, Error> {
         let clock = self.clock().clone();
-        self.write(move |c| append(c, clock.now_ms(), session_id, events))
+        self.write(move |c| append(c, clock.now_ms(), session_id, events.clone()))
             .await
     }
 

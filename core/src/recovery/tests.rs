@@ -87,7 +87,7 @@ fn claim(
 /// Runs `change`, then recovers the stale selection; returns what recovery made of
 /// it and the claims left, with their recovery errors.
 async fn after(
-    change: impl FnOnce(&mut Conn) -> Result<(), store::Error> + Send + 'static,
+    change: impl FnMut(&mut Conn) -> Result<(), store::Error> + Send + 'static,
 ) -> (bool, Vec<(String, Option<String>)>, u64) {
     let (fixture, candidate) = selected().await;
     fixture.store.write(change).await.unwrap();
@@ -164,7 +164,7 @@ async fn redrive_reaches_lost_wakes_beyond_a_full_batch_and_wraps_around() {
     fixture
         .store
         .write(move |c| {
-            for session in waiting {
+            for &session in &waiting {
                 create(c, session)?;
                 let prompt = Admission::prompt(vec![Part::Text { text: "hi".into() }]);
                 inbox::admit(c, NOW, session, prompt)

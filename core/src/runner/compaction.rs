@@ -208,7 +208,7 @@ impl Engine {
                 // The next epoch starts with the summary, in the same transaction: both
                 // or neither, and never after ownership changed.
                 let (epoch, system) = epoch::advance(c, session, boundary_seq, &agent_system)?;
-                let mut events = vec![ended, epoch];
+                let mut events = vec![ended.clone(), epoch];
                 if continues {
                     events.push(DurableEvent::Synthetic(payload::Synthetic {
                         message_id: MessageId::new(),
@@ -256,7 +256,7 @@ impl Engine {
         let phase = phase_after(open_step);
         let envelopes = self
             .fenced(held, move |c, now| {
-                let envelopes = crate::event::log::append(c, now, session, events)?;
+                let envelopes = crate::event::log::append(c, now, session, events.clone())?;
                 execution::set_phase(c, &claim, phase, open_step)?;
                 Ok(envelopes)
             })

@@ -175,10 +175,14 @@ impl Engine {
             let look_for_waits = first || ending.as_ref().is_some_and(|e| e.awaiting);
             let (settings, claim, force) = (self.settings.clone(), held.claim, request.force);
             let counted = step_number;
+            let mut carried = Some(std::mem::take(&mut transcript));
             let boundary_work = self
                 .fenced(&held, move |c, now| {
-                    let mut written = match ending {
-                        Some(ended) => log::append(c, now, session, ended.closing)?,
+                    // Run again after a conflict, this starts from a transcript read anew:
+                    // the one held may have taken in what was rolled back.
+                    let mut transcript = carried.take().unwrap_or_default();
+                    let mut written = match &ending {
+                        Some(ended) => log::append(c, now, session, ended.closing.clone())?,
                         None => Vec::new(),
                     };
                     if look_for_waits {
@@ -347,7 +351,7 @@ impl Engine {
         let claim = held.claim;
         let written = self
             .fenced(held, move |c, now| {
-                let mut written = log::append(c, now, claim.session_id, closing)?;
+                let mut written = log::append(c, now, claim.session_id, closing.clone())?;
                 written.extend(shutdown::continue_after_restart(c, now, &claim)?);
                 Ok(written)
             })

@@ -112,7 +112,7 @@ impl Engine {
             let result = self
                 .store
                 .write(move |c| {
-                    execution::release(c, clock.now_ms(), lease, &claim, outcome, error)
+                    execution::release(c, clock.now_ms(), lease, &claim, outcome, error.clone())
                         .map_err(Error::from)
                 })
                 .await;
@@ -168,7 +168,7 @@ impl Engine {
                         .collect();
                     events.push(DurableEvent::StepFailed(payload::StepFailed {
                         assistant_message_id: assistant,
-                        error,
+                        error: error.clone(),
                         usage: None,
                     }));
                     crate::event::log::append(c, now, session, events).map_err(Error::from)

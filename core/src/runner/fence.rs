@@ -61,7 +61,7 @@ impl Engine {
     pub(super) async fn fenced<T: Send + 'static>(
         &self,
         held: &Held,
-        write: impl FnOnce(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
+        mut write: impl FnMut(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
     ) -> Result<T, Error> {
         if held.ownership.lost.load(Ordering::SeqCst) {
             return Err(Error::OwnershipLost(held.claim.session_id));
@@ -102,7 +102,7 @@ impl Engine {
         }
         let session = held.claim.session_id;
         self.fenced(held, move |c, now| {
-            log::append(c, now, session, events).map_err(Error::from)
+            log::append(c, now, session, events.clone()).map_err(Error::from)
         })
         .await
     }

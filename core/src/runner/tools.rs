@@ -297,7 +297,8 @@ impl Step<'_> {
         let envelopes = engine
             .fenced(held, move |c, now| {
                 execution::set_phase(c, &claim, Phase::Running, Some(step))?;
-                crate::event::log::append(c, now, claim.session_id, events).map_err(Error::from)
+                crate::event::log::append(c, now, claim.session_id, events.clone())
+                    .map_err(Error::from)
             })
             .await?;
         engine.publish(&envelopes);

@@ -221,7 +221,7 @@ async fn admit(state: &AppState, id: SessionId, admission: Admission) -> Result<
     let admitted = state
         .store
         .write(move |c| {
-            let admitted = inbox::admit(c, clock.now_ms(), id, admission)?;
+            let admitted = inbox::admit(c, clock.now_ms(), id, admission.clone())?;
             let written: Vec<Envelope> = if admitted.replayed {
                 Vec::new()
             } else {

@@ -15,30 +15,41 @@
 //! When the transaction cannot even begin (the database dropped the connection: a
 //! restart, a failover), no write has run, so the writer reconnects, waiting for the
 //! database as long as it takes, and tries the same writes once more.
+//!
+//! On PostgreSQL, a batch can conflict with another node's: two batches that lock the
+//! same sessions in opposite orders deadlock, and the database aborts one of them. Such a
+//! conflict says nothing about the writes themselves, so the whole batch is rolled back
+//! and run again, after a short randomised pause, up to [`CONFLICT_ATTEMPTS`] times; only
+//! then do its writes fail. Rolling back the whole batch (not only the write that hit
+//! the conflict) is what releases the locks the other transaction waits for. This is why
+//! a write is a closure that may run more than once (`FnMut`): it must do nothing but its
+//! statements.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use diesel::Connection;
-use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use diesel::connection::{
+    AnsiTransactionManager, Instrumentation, InstrumentationEvent, TransactionManager,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use super::conn::Settings;
 use super::fixed::fixed_query;
 use super::{Conn, Error, Failpoint, Stats};
 
-/// Tells a caller how its write ended, once the batch's commit is known.
-/// `Some(message)` means the commit failed and the write did not happen.
-type Finish = Box<dyn FnOnce(Option<&str>) + Send>;
-
 /// One write waiting for the writer.
 trait Write: Send {
-    /// Runs inside the batch transaction, in its own savepoint when `savepoint`; returns
-    /// whether it succeeded and how to report the result after commit. Without a
-    /// savepoint, a failed write leaves the transaction for the caller to roll back.
-    fn run(self: Box<Self>, connection: &mut Conn, savepoint: bool) -> (bool, Finish);
-    /// Reports that the write never ran.
+    /// Runs inside the batch transaction, in its own savepoint when `savepoint`, and keeps
+    /// the result for [`Write::finish`]; returns whether it succeeded. Without a savepoint,
+    /// a failed write leaves the transaction for the caller to roll back. Running again
+    /// (after a conflict rolled the batch back) replaces the kept result.
+    fn run(&mut self, connection: &mut Conn, savepoint: bool) -> bool;
+    /// Reports the result of the last run, once the batch's commit is known:
+    /// `Some(message)` means the commit failed and the write did not happen.
+    fn finish(self: Box<Self>, commit_failure: Option<&str>);
+    /// Reports that the write never took effect.
     fn fail(self: Box<Self>, message: &str);
 }
 
@@ -46,6 +57,7 @@ type Job = Box<dyn Write>;
 
 struct Pending<F, T, E> {
     write: F,
+    result: Option<Result<T, E>>,
     reply: oneshot::Sender<Result<T, E>>,
 }
 
@@ -53,25 +65,29 @@ impl<F, T, E> Write for Pending<F, T, E>
 where
     T: Send + 'static,
     E: From<Error> + From<diesel::result::Error> + Send + 'static,
-    F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
+    F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
 {
-    fn run(self: Box<Self>, connection: &mut Conn, savepoint: bool) -> (bool, Finish) {
-        let Pending { write, reply } = *self;
+    fn run(&mut self, connection: &mut Conn, savepoint: bool) -> bool {
         let result = if savepoint {
-            in_savepoint(connection, write)
+            in_savepoint(connection, &mut self.write)
         } else {
-            write(connection)
+            (self.write)(connection)
         };
         let succeeded = result.is_ok();
-        let finish = Box::new(move |commit_failure: Option<&str>| {
-            let result = match commit_failure {
-                None => result,
-                Some(message) => Err(E::from(Error::CommitFailed(message.to_owned()))),
-            };
-            // The caller may have stopped waiting; the write's fate is settled either way.
-            drop(reply.send(result));
-        });
-        (succeeded, finish)
+        self.result = Some(result);
+        succeeded
+    }
+
+    fn finish(self: Box<Self>, commit_failure: Option<&str>) {
+        let result = match (commit_failure, self.result) {
+            (None, Some(result)) => result,
+            (Some(message), _) => Err(E::from(Error::CommitFailed(message.to_owned()))),
+            (None, None) => Err(E::from(Error::CommitFailed(
+                "the write was never run".to_owned(),
+            ))),
+        };
+        // The caller may have stopped waiting; the write's fate is settled either way.
+        drop(self.reply.send(result));
     }
 
     fn fail(self: Box<Self>, message: &str) {
@@ -148,10 +164,14 @@ impl Handle {
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
-        F: FnOnce(&mut Conn) -> Result<T, E> + Send + 'static,
+        F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
         let (reply, outcome) = oneshot::channel::<Result<T, E>>();
-        let job: Job = Box::new(Pending { write, reply });
+        let job: Job = Box::new(Pending {
+            write,
+            result: None,
+            reply,
+        });
         self.jobs
             .send(job)
             .await
@@ -196,6 +216,8 @@ fn run(
     stats: &Stats,
     failpoint: Option<&Failpoint>,
 ) {
+    let conflicts = Conflicts::default();
+    conflicts.watch(&mut connection);
     let mut carried: Vec<Job> = Vec::new();
     loop {
         let mut batch = std::mem::take(&mut carried);
@@ -216,14 +238,14 @@ fn run(
         stats
             .writes
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        carried = match run_batch(&mut connection, batch, fail) {
+        carried = match run_batch(&mut connection, batch, fail, &conflicts) {
             Ran::Carry(jobs) => jobs,
             // Nothing ran: a connection the database dropped (a restart, a failover) is
             // replaced and the same writes are tried once more on the new one.
             Ran::NotBegun(jobs, message) => {
                 tracing::warn!(%message, writes = jobs.len(), "could not begin a write batch; reconnecting");
-                connection = reconnect(&settings);
-                match run_batch(&mut connection, jobs, fail) {
+                connection = reconnect(&settings, &conflicts);
+                match run_batch(&mut connection, jobs, fail, &conflicts) {
                     Ran::Carry(jobs) => jobs,
                     Ran::NotBegun(jobs, message) => {
                         tracing::error!(%message, writes = jobs.len(), "write batch failed");
@@ -238,11 +260,14 @@ fn run(
 
         if <Conn as Connection>::TransactionManager::is_broken_transaction_manager(&mut connection)
         {
-            connection = reconnect(&settings);
+            connection = reconnect(&settings, &conflicts);
         }
     }
     tracing::debug!(url = %settings.url, "store writer stopped");
 }
+
+/// How many times a batch runs before a conflict with another transaction fails it.
+pub(super) const CONFLICT_ATTEMPTS: u32 = 8;
 
 /// What running a batch left to do.
 enum Ran {
@@ -252,78 +277,185 @@ enum Ran {
     NotBegun(Vec<Job>, String),
 }
 
-/// Runs one batch.
-fn run_batch(connection: &mut Conn, batch: Vec<Job>, fail: bool) -> Ran {
+/// How one attempt at a batch ended. Every variant but `Conflict` and `NotBegun` has
+/// ended the transaction for good.
+enum Attempt {
+    Committed,
+    /// The commit failed: no write happened.
+    CommitFailed(String),
+    /// The batch's only write failed and the transaction was rolled back.
+    AloneFailed,
+    /// A failpoint rolled the transaction back.
+    Failpoint,
+    /// The write at this index panicked; everything was rolled back.
+    Panicked(usize),
+    /// The database aborted the transaction to resolve a conflict with another one; it
+    /// was rolled back and may run again.
+    Conflict(String),
+    NotBegun(String),
+}
+
+/// Runs one batch, again from the start after a conflict.
+fn run_batch(connection: &mut Conn, mut batch: Vec<Job>, fail: bool, conflicts: &Conflicts) -> Ran {
+    let mut attempt = 1;
+    let ended = loop {
+        match attempt_batch(connection, &mut batch, fail, conflicts) {
+            Attempt::Conflict(message) if attempt < CONFLICT_ATTEMPTS => {
+                tracing::warn!(%message, attempt, writes = batch.len(), "write batch conflicted with another transaction; running it again");
+                std::thread::sleep(conflict_pause(attempt));
+                attempt += 1;
+            }
+            Attempt::NotBegun(message) => return Ran::NotBegun(batch, message),
+            ended => break ended,
+        }
+    };
+    let failure = match ended {
+        Attempt::Committed | Attempt::AloneFailed => None,
+        Attempt::CommitFailed(message) => Some(message),
+        Attempt::Failpoint => Some("a failpoint made this commit fail".to_owned()),
+        Attempt::Conflict(message) => {
+            let message = format!("{message} (gave up after {attempt} attempts)");
+            tracing::error!(%message, writes = batch.len(), "write batch failed");
+            Some(message)
+        }
+        Attempt::Panicked(index) => {
+            // The panicking write's caller hears `WriterGone` (its reply is dropped). The
+            // writes before it shared its transaction, so they were rolled back and are
+            // failed; the writes after it have not run and go into the next batch.
+            let rest = batch.split_off(index + 1);
+            drop(batch.pop());
+            for job in batch {
+                job.finish(Some("another write in the same transaction panicked"));
+            }
+            return Ran::Carry(rest);
+        }
+        Attempt::NotBegun(_) => unreachable!("returned above"),
+    };
+    // Without a failure, the last attempt ran every write, so each reports its own result.
+    for job in batch {
+        job.finish(failure.as_deref());
+    }
+    Ran::Carry(Vec::new())
+}
+
+/// Runs every write of `batch` in one transaction and commits it.
+fn attempt_batch(
+    connection: &mut Conn,
+    batch: &mut [Job],
+    fail: bool,
+    conflicts: &Conflicts,
+) -> Attempt {
     let began = match connection {
         Conn::Sqlite(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE"),
         Conn::Pg(c) => AnsiTransactionManager::begin_transaction(c),
     };
     if let Err(e) = began {
-        return Ran::NotBegun(batch, format!("could not begin a transaction: {e}"));
+        return Attempt::NotBegun(format!("could not begin a transaction: {e}"));
     }
+    conflicts.take();
 
-    let mut finishes: Vec<Finish> = Vec::with_capacity(batch.len());
     let savepoints = batch.len() > 1;
     let mut alone_failed = false;
-    let mut jobs = batch.into_iter();
-    let mut panicked = false;
-    for job in jobs.by_ref() {
+    for (index, job) in batch.iter_mut().enumerate() {
         match catch_unwind(AssertUnwindSafe(|| job.run(connection, savepoints))) {
-            Ok((succeeded, finish)) => {
-                alone_failed = !savepoints && !succeeded;
-                finishes.push(finish);
-            }
+            Ok(succeeded) => alone_failed = !savepoints && !succeeded,
             Err(_) => {
-                panicked = true;
-                break;
+                rollback_all(connection);
+                return Attempt::Panicked(index);
             }
         }
-    }
-
-    if panicked {
-        // The panicking write's caller hears `WriterGone` (its reply was dropped). The
-        // writes before it shared its transaction, so they are rolled back and failed;
-        // the writes after it have not run and go into the next batch.
-        rollback_all(connection);
-        for finish in finishes {
-            finish(Some("another write in the same transaction panicked"));
+        if conflicts.take() {
+            // The transaction is doomed, and holds locks the other one waits for.
+            rollback_all(connection);
+            return Attempt::Conflict(
+                "the database aborted the transaction to resolve a conflict with another one"
+                    .to_owned(),
+            );
         }
-        return Ran::Carry(jobs.collect());
     }
 
     if alone_failed {
         // The only write failed without a savepoint: undoing the transaction undoes it,
         // and its caller hears its own error.
         rollback_all(connection);
-        for finish in finishes {
-            finish(None);
-        }
-        return Ran::Carry(Vec::new());
+        return Attempt::AloneFailed;
     }
-
     if fail {
         rollback_all(connection);
-        for finish in finishes {
-            finish(Some("a failpoint made this commit fail"));
-        }
-        return Ran::Carry(Vec::new());
+        return Attempt::Failpoint;
     }
     match <Conn as Connection>::TransactionManager::commit_transaction(connection) {
-        Ok(()) => {
-            for finish in finishes {
-                finish(None);
-            }
-        }
+        Ok(()) => Attempt::Committed,
         Err(e) => {
+            let conflict = conflicts.take() || is_conflict(&e);
             let message = format!("commit failed: {e}");
-            tracing::error!(%message, writes = finishes.len(), "write batch failed");
             rollback_all(connection);
-            for finish in finishes {
-                finish(Some(&message));
+            if conflict {
+                Attempt::Conflict(message)
+            } else {
+                tracing::error!(%message, writes = batch.len(), "write batch failed");
+                Attempt::CommitFailed(message)
             }
         }
     }
-    Ran::Carry(Vec::new())
+}
+
+/// The pause before running a conflicted batch again: random, so two nodes that
+/// conflicted do not meet again in step, and growing with the attempts (at most ~0.3 s).
+fn conflict_pause(attempt: u32) -> std::time::Duration {
+    let ceiling_ms = 5u64 << attempt.min(6);
+    std::time::Duration::from_millis(fastrand::u64(1..=ceiling_ms))
+}
+
+/// Whether `error` is the database resolving a conflict between transactions by
+/// aborting one of them: a serialization failure (SQLSTATE 40001) or a deadlock
+/// (40P01). diesel does not expose the SQLSTATE of a deadlock, so it is recognised by
+/// PostgreSQL's message; a server whose `lc_messages` is not English has it
+/// translated, and its deadlocks then fail the batch as before.
+pub(super) fn is_conflict(error: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error};
+    match error {
+        Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
+        Error::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            info.message() == "deadlock detected"
+        }
+        _ => false,
+    }
+}
+
+/// Remembers, for the writer, that a statement on its connection failed with a conflict
+/// ([`is_conflict`]): a write may turn the database's error into its own, so the writer
+/// learns of it from the connection, not from the write's result.
+#[derive(Clone, Default)]
+struct Conflicts(Arc<AtomicBool>);
+
+impl Conflicts {
+    /// Watches `connection`'s statements (PostgreSQL only: SQLite's single writer never
+    /// conflicts).
+    fn watch(&self, connection: &mut Conn) {
+        if let Conn::Pg(c) = connection {
+            c.set_instrumentation(ConflictWatch(self.0.clone()));
+        }
+    }
+
+    /// Whether a conflict happened since the last call.
+    fn take(&self) -> bool {
+        self.0.swap(false, Ordering::Relaxed)
+    }
+}
+
+struct ConflictWatch(Arc<AtomicBool>);
+
+impl Instrumentation for ConflictWatch {
+    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+        if let InstrumentationEvent::FinishQuery {
+            error: Some(error), ..
+        } = event
+            && is_conflict(error)
+        {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 fn rollback_all(connection: &mut Conn) {
@@ -340,11 +472,12 @@ fn rollback_all(connection: &mut Conn) {
 }
 
 /// Replaces a broken writer connection, retrying until the database answers.
-fn reconnect(settings: &Settings) -> Conn {
+fn reconnect(settings: &Settings, conflicts: &Conflicts) -> Conn {
     let mut delay = std::time::Duration::from_millis(100);
     loop {
         match settings.establish() {
-            Ok(connection) => {
+            Ok(mut connection) => {
+                conflicts.watch(&mut connection);
                 tracing::info!(url = %settings.url, "store writer reconnected");
                 return connection;
             }
@@ -354,5 +487,122 @@ fn reconnect(settings: &Settings) -> Conn {
                 delay = (delay * 2).min(std::time::Duration::from_secs(5));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU32;
+
+    use diesel::connection::SimpleConnection;
+    use diesel::{RunQueryDsl, SqliteConnection};
+
+    use super::*;
+
+    fn connection() -> Conn {
+        let mut connection = SqliteConnection::establish(":memory:").unwrap();
+        connection
+            .batch_execute("CREATE TABLE t (x INTEGER NOT NULL)")
+            .unwrap();
+        Conn::Sqlite(connection)
+    }
+
+    fn rows(connection: &mut Conn) -> Vec<i32> {
+        #[derive(diesel::QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            x: i32,
+        }
+        diesel::sql_query("SELECT x FROM t ORDER BY x")
+            .load::<Row>(connection)
+            .unwrap()
+            .into_iter()
+            .map(|row| row.x)
+            .collect()
+    }
+
+    /// A write inserting `x` whose first `conflicting` runs end as a statement the
+    /// database aborted for a conflict would; counts its runs.
+    fn job(
+        x: i32,
+        conflicting: u32,
+        conflicts: &Conflicts,
+    ) -> (Job, Arc<AtomicU32>, oneshot::Receiver<Result<(), Error>>) {
+        let runs = Arc::new(AtomicU32::new(0));
+        let (reply, outcome) = oneshot::channel();
+        let (counted, conflicts) = (runs.clone(), conflicts.clone());
+        let write = move |c: &mut Conn| -> Result<(), Error> {
+            diesel::sql_query(format!("INSERT INTO t (x) VALUES ({x})")).execute(c)?;
+            if counted.fetch_add(1, Ordering::SeqCst) < conflicting {
+                conflicts.0.store(true, Ordering::SeqCst);
+            }
+            Ok(())
+        };
+        let job: Job = Box::new(Pending {
+            write,
+            result: None,
+            reply,
+        });
+        (job, runs, outcome)
+    }
+
+    #[test]
+    fn a_conflicted_batch_runs_again_whole_and_each_write_commits_once() {
+        let mut connection = connection();
+        let conflicts = Conflicts::default();
+        let (first, first_runs, first_outcome) = job(1, 0, &conflicts);
+        let (second, second_runs, second_outcome) = job(2, 2, &conflicts);
+        let ran = run_batch(&mut connection, vec![first, second], false, &conflicts);
+        assert!(matches!(ran, Ran::Carry(carried) if carried.is_empty()));
+        // The write before the conflicted one ran again too: its first run was undone.
+        assert_eq!(first_runs.load(Ordering::SeqCst), 3);
+        assert_eq!(second_runs.load(Ordering::SeqCst), 3);
+        assert!(matches!(first_outcome.blocking_recv(), Ok(Ok(()))));
+        assert!(matches!(second_outcome.blocking_recv(), Ok(Ok(()))));
+        assert_eq!(rows(&mut connection), [1, 2]);
+    }
+
+    #[test]
+    fn a_batch_that_keeps_conflicting_fails_every_write_and_leaves_nothing() {
+        let mut connection = connection();
+        let conflicts = Conflicts::default();
+        let (first, _, first_outcome) = job(1, 0, &conflicts);
+        let (second, second_runs, second_outcome) = job(2, u32::MAX, &conflicts);
+        run_batch(&mut connection, vec![first, second], false, &conflicts);
+        assert_eq!(second_runs.load(Ordering::SeqCst), CONFLICT_ATTEMPTS);
+        for outcome in [first_outcome, second_outcome] {
+            match outcome.blocking_recv() {
+                Ok(Err(Error::CommitFailed(message))) => {
+                    let gave_up = format!("gave up after {CONFLICT_ATTEMPTS} attempts");
+                    assert!(message.contains(&gave_up), "{message}");
+                }
+                other => panic!("expected a failed commit, got {other:?}"),
+            }
+        }
+        assert!(rows(&mut connection).is_empty());
+    }
+
+    #[test]
+    fn serialization_failures_and_deadlocks_are_conflicts_and_nothing_else_is() {
+        use diesel::result::{DatabaseErrorKind, Error as DbError};
+        let database =
+            |kind, message: &str| DbError::DatabaseError(kind, Box::new(message.to_owned()));
+        assert!(is_conflict(&database(
+            DatabaseErrorKind::SerializationFailure,
+            "could not serialize access due to concurrent update"
+        )));
+        assert!(is_conflict(&database(
+            DatabaseErrorKind::Unknown,
+            "deadlock detected"
+        )));
+        assert!(!is_conflict(&database(
+            DatabaseErrorKind::UniqueViolation,
+            "deadlock detected"
+        )));
+        assert!(!is_conflict(&database(
+            DatabaseErrorKind::Unknown,
+            "canceling statement due to statement timeout"
+        )));
+        assert!(!is_conflict(&DbError::NotFound));
     }
 }

@@ -393,7 +393,7 @@ async fn an_explicit_resume_is_recorded_durably_before_pending_input_is_promoted
         }])
     };
     h.store
-        .write(move |c| keel_core::inbox::admit(c, clock.now_ms(), session, admission))
+        .write(move |c| keel_core::inbox::admit(c, clock.now_ms(), session, admission.clone()))
         .await
         .unwrap();
     assert!(

@@ -321,7 +321,7 @@ impl Harness {
             ..Admission::prompt(vec![Part::Text { text: text.into() }])
         };
         self.store
-            .write(move |c| inbox::admit(c, clock.now_ms(), session, admission))
+            .write(move |c| inbox::admit(c, clock.now_ms(), session, admission.clone()))
             .await
             .unwrap()
             .input

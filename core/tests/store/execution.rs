@@ -32,7 +32,9 @@ async fn fenced_rename(store: &Store, claim: Claim, title: &str) -> Result<(), E
                     c,
                     now,
                     claim.session_id,
-                    vec![DurableEvent::Renamed(payload::Renamed { title })],
+                    vec![DurableEvent::Renamed(payload::Renamed {
+                        title: title.clone(),
+                    })],
                 )
                 .map(|_| ())
                 .map_err(Error::from)

@@ -22,7 +22,7 @@ async fn run_admit(
 ) -> Result<Admitted, inbox::Error> {
     let clock = store.clock().clone();
     store
-        .write(move |c| inbox::admit(c, clock.now_ms(), session, admission))
+        .write(move |c| inbox::admit(c, clock.now_ms(), session, admission.clone()))
         .await
 }
 

@@ -225,7 +225,7 @@ pub async fn admit(store: &Store, session: SessionId, text: &str, delivery: Deli
         ..Admission::prompt(vec![Part::Text { text: text.into() }])
     };
     store
-        .write(move |c| inbox::admit(c, clock.now_ms(), session, admission))
+        .write(move |c| inbox::admit(c, clock.now_ms(), session, admission.clone()))
         .await
         .unwrap()
         .input

@@ -160,7 +160,7 @@ async fn a_duplicate_event_id_is_refused_and_writes_nothing(db: TestDb) {
         event: renamed("copied"),
     };
     let err = store
-        .write(move |c| keel_core::event::log::import(c, &[copy]))
+        .write(move |c| keel_core::event::log::import(c, std::slice::from_ref(&copy)))
         .await
         .unwrap_err();
     assert!(

@@ -4,6 +4,7 @@
 
 mod support;
 
+mod conflict;
 mod epoch;
 mod execution;
 mod inbox;

@@ -121,7 +121,9 @@ async fn check_inbox(store: &Store, ops: Vec<Op>) {
                 );
                 let (id, now) = (sessions[session], clock.now_ms());
                 let r = request.clone();
-                let result = store.write(move |c| inbox::admit(c, now, id, r)).await;
+                let result = store
+                    .write(move |c| inbox::admit(c, now, id, r.clone()))
+                    .await;
                 match slot.and_then(|s| slots.get(&s).cloned()) {
                     Some((first_session, first)) => {
                         let seqs_after = (
