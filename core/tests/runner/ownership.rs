@@ -13,7 +13,7 @@ use keel_schema::id::SessionId;
 use keel_schema::types::{Delivery, Finish, Usage};
 use serde_json::json;
 
-use crate::support::{Harness, LEASE, Setup, call, script, text};
+use crate::support::{Harness, Hold, LEASE, Setup, call, script, text};
 
 async fn lose_ownership(h: &Harness, session: SessionId) {
     h.clock.advance(LEASE + 1);
@@ -40,6 +40,32 @@ async fn no_provider_request_is_dispatched_after_ownership_changes() {
     // The finished tool's result was not published, nor anything after it.
     assert_eq!(h.kinds(session).await, before);
     assert!(h.claim_exists(session).await, "the new owner's claim stays");
+}
+
+#[tokio::test]
+async fn no_provider_request_is_dispatched_when_ownership_changes_while_step_started_commits() {
+    let (mut hold, failpoint) = Hold::new();
+    let h = Harness::new(Setup {
+        failpoint: Some(failpoint),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    // Commits: the claim, then the first boundary, which carries `step.started`; the
+    // lease runs out while that one is held.
+    hold.at(h.store.stats().0 + 1);
+    let run = h.spawn_run(session);
+    hold.reached().await;
+    let before = h.kinds(session).await;
+    h.clock.advance(LEASE + 1);
+    hold.release();
+    assert_outcome!(run.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
+    assert!(h.recording.requests.lock().unwrap().is_empty());
+    assert_eq!(h.kinds(session).await, before, "the step never started");
+    assert!(
+        h.claim_exists(session).await,
+        "the claim is left to recovery"
+    );
 }
 
 #[tokio::test]

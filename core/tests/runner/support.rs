@@ -1,7 +1,7 @@
 //! The runner harness.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use diesel::RunQueryDsl;
@@ -103,6 +103,51 @@ impl Tool for Probe {
                 }],
             })
         })
+    }
+}
+
+/// A failpoint that holds the store's writer before one chosen commit until the test lets
+/// it go, so an interrupt or another write can land while that commit is pending. The
+/// writer runs nothing while held; the commit then goes ahead as usual.
+pub struct Hold {
+    at: Arc<AtomicU64>,
+    reached: mpsc::UnboundedReceiver<u64>,
+    go: std::sync::mpsc::Sender<()>,
+}
+
+impl Hold {
+    /// The hold and the failpoint to build the store with (see [`Setup::failpoint`]).
+    pub fn new() -> (Self, Failpoint) {
+        let at = Arc::new(AtomicU64::new(u64::MAX));
+        let (reached_tx, reached) = mpsc::unbounded_channel();
+        let (go, go_rx) = std::sync::mpsc::channel::<()>();
+        let go_rx = Mutex::new(go_rx);
+        let target = at.clone();
+        let failpoint = Failpoint(Arc::new(move |ordinal| {
+            if ordinal == target.load(Ordering::SeqCst) {
+                // A test that stopped listening, or went away (dropping `go`), lets the
+                // writer go on.
+                let _ = reached_tx.send(ordinal);
+                let _ = go_rx.lock().unwrap().recv();
+            }
+            false
+        }));
+        (Self { at, reached, go }, failpoint)
+    }
+
+    /// Holds the commit with this ordinal ([`Store::stats`] counts the commits so far).
+    pub fn at(&self, ordinal: u64) {
+        self.at.store(ordinal, Ordering::SeqCst);
+    }
+
+    /// Waits until the writer is held.
+    pub async fn reached(&mut self) {
+        self.reached.recv().await.unwrap();
+    }
+
+    /// Lets the held commit go ahead.
+    pub fn release(&self) {
+        self.go.send(()).unwrap();
     }
 }
 
