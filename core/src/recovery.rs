@@ -19,12 +19,15 @@
 //! 4. wakes the recovered sessions, and redrives ordinary intent whose wake was lost:
 //!    sessions not deleted and with no claim that have inputs admitted with execution
 //!    requested, still pending (unless a step there waits for a person), or a reply to a
-//!    step that waits, one batch per pass from a cursor that wraps around ([`Recovery`]).
+//!    step that waits, one batch per pass from a cursor that wraps around ([`Recovery`]);
+//!    each is checked again at the moment of its wake, so work settled, cancelled or
+//!    claimed since the selection is not woken.
 //!
 //! A session recovered [`MAX_ATTEMPTS`] times in a row (no execution settling otherwise
 //! in between) is not continued again: its execution settles `failed` with
 //! `recovery.attempts-exhausted`, so a crash loop ends with a clear error.
 
+use std::ops::Bound;
 use std::time::Duration;
 
 use diesel::prelude::*;
@@ -52,6 +55,24 @@ macro_rules! selected {
             .filter(session_execution::expires_at.eq($candidate.expires_at))
             .filter(session_execution::expires_at.le($now))
             .filter(session_execution::recovery_error.is_null())
+    };
+}
+
+/// The recovery scan: one batch of expired, unquarantined claims in the order of
+/// `session_execution_recovery_scan_idx` (`recovery_error`, `expires_at`, `time_created`,
+/// `id`), so the database reads the batch off that index.
+macro_rules! scan {
+    ($now:expr) => {
+        session_execution::table
+            .filter(session_execution::recovery_error.is_null())
+            .filter(session_execution::expires_at.le($now))
+            .order((
+                session_execution::expires_at.asc(),
+                session_execution::time_created.asc(),
+                session_execution::id.asc(),
+            ))
+            .limit(BATCH_SIZE)
+            .select(Candidate::as_select())
     };
 }
 
@@ -169,14 +190,47 @@ impl Recovery {
         let after = self.redrive_after.clone();
         let lost = store.read(move |c| lost_wakes(c, after.as_deref())).await?;
         self.redrive_after = lost.last().map(ToString::to_string);
-        for session in lost {
-            if !runner.is_busy(session) {
-                runner.wake(session, Scope::Input);
-                report.redriven.push(session);
-            }
-        }
+        report.redriven = redrive(
+            &store,
+            lost,
+            |session| runner.is_busy(session),
+            |session| runner.wake(session, Scope::Input),
+        )
+        .await?;
         Ok(report)
     }
+}
+
+/// Wakes the selected lost wakes that are still lost at the moment of their wake (the
+/// compare-and-set): a session this process is busy with, or whose work was settled,
+/// cancelled or claimed since the selection, is not woken, so no execution starts (and no
+/// `execution.started` is written) for work that is gone. What is left between that
+/// re-check and the wake is harmless: a wake only asks for a drain, which claims the
+/// session atomically. Returns the sessions woken.
+async fn redrive(
+    store: &Store,
+    lost: Vec<SessionId>,
+    busy: impl Fn(SessionId) -> bool,
+    wake: impl Fn(SessionId),
+) -> Result<Vec<SessionId>, store::Error> {
+    let mut woken = Vec::new();
+    for session in lost {
+        if busy(session) {
+            continue;
+        }
+        let id = session.to_string();
+        let still_lost = store
+            .read(move |c| {
+                lost_wakes_between(c, Bound::Included(&id), Bound::Included(&id), 1)
+                    .map(|ids| !ids.is_empty())
+            })
+            .await?;
+        if still_lost {
+            wake(session);
+            woken.push(session);
+        }
+    }
+    Ok(woken)
 }
 
 /// The database half of a pass: validates one batch of expired claims, quarantines the
@@ -231,29 +285,25 @@ pub async fn settle_abandoned(
 
 /// One batch of expired, unquarantined claims, in scan-index order.
 fn expired(connection: &mut Conn, now: i64) -> Result<Vec<Candidate>, store::Error> {
-    Ok(session_execution::table
-        .filter(session_execution::recovery_error.is_null())
-        .filter(session_execution::expires_at.le(now))
-        .order((
-            session_execution::expires_at.asc(),
-            session_execution::time_created.asc(),
-            session_execution::id.asc(),
-        ))
-        .limit(BATCH_SIZE)
-        .select(Candidate::as_select())
-        .load(connection)?)
+    Ok(scan!(now).load(connection)?)
 }
 
 /// One batch of sessions with an input admitted with execution requested, still pending,
 /// and no claim: their wake was lost (the process died between admission and wake, say).
 /// In session id order, starting after `after` and wrapping around.
 fn lost_wakes(connection: &mut Conn, after: Option<&str>) -> Result<Vec<SessionId>, store::Error> {
-    let mut ids = lost_wakes_between(connection, after, None, BATCH_SIZE)?;
+    let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+    let mut ids = lost_wakes_between(connection, from, Bound::Unbounded, BATCH_SIZE)?;
     let missing = BATCH_SIZE - i64::try_from(ids.len()).unwrap_or(BATCH_SIZE);
     if let Some(after) = after
         && missing > 0
     {
-        ids.extend(lost_wakes_between(connection, None, Some(after), missing)?);
+        ids.extend(lost_wakes_between(
+            connection,
+            Bound::Unbounded,
+            Bound::Included(after),
+            missing,
+        )?);
     }
     ids.into_iter()
         .map(|id| {
@@ -263,13 +313,13 @@ fn lost_wakes(connection: &mut Conn, after: Option<&str>) -> Result<Vec<SessionI
         .collect()
 }
 
-/// Lost wakes with a session id in `(after, through]`, at most `limit`, in order: sessions
-/// with no claim and either an input that asked for execution (unless a step there waits
-/// for a person: its inputs wait for its end) or a reply to a waiting step.
+/// Lost wakes with a session id between `from` and `to`, at most `limit`, in order:
+/// sessions with no claim and either an input that asked for execution (unless a step
+/// there waits for a person: its inputs wait for its end) or a reply to a waiting step.
 fn lost_wakes_between(
     connection: &mut Conn,
-    after: Option<&str>,
-    through: Option<&str>,
+    from: Bound<&str>,
+    to: Bound<&str>,
     limit: i64,
 ) -> Result<Vec<String>, store::Error> {
     let claimed = || session_execution::table.select(session_execution::session_id);
@@ -303,13 +353,27 @@ fn lost_wakes_between(
         .order(session_request::session_id.asc())
         .limit(limit)
         .into_boxed();
-    if let Some(after) = after {
-        inputs = inputs.filter(session_input::session_id.gt(after.to_owned()));
-        replies = replies.filter(session_request::session_id.gt(after.to_owned()));
+    match from {
+        Bound::Included(id) => {
+            inputs = inputs.filter(session_input::session_id.ge(id.to_owned()));
+            replies = replies.filter(session_request::session_id.ge(id.to_owned()));
+        }
+        Bound::Excluded(id) => {
+            inputs = inputs.filter(session_input::session_id.gt(id.to_owned()));
+            replies = replies.filter(session_request::session_id.gt(id.to_owned()));
+        }
+        Bound::Unbounded => {}
     }
-    if let Some(through) = through {
-        inputs = inputs.filter(session_input::session_id.le(through.to_owned()));
-        replies = replies.filter(session_request::session_id.le(through.to_owned()));
+    match to {
+        Bound::Included(id) => {
+            inputs = inputs.filter(session_input::session_id.le(id.to_owned()));
+            replies = replies.filter(session_request::session_id.le(id.to_owned()));
+        }
+        Bound::Excluded(id) => {
+            inputs = inputs.filter(session_input::session_id.lt(id.to_owned()));
+            replies = replies.filter(session_request::session_id.lt(id.to_owned()));
+        }
+        Bound::Unbounded => {}
     }
     let mut ids: Vec<String> = inputs.load(connection)?;
     ids.extend(replies.load::<String>(connection)?);
