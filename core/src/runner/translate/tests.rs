@@ -138,8 +138,19 @@ fn calls_the_model_may_not_make_fail_at_once_and_are_not_launched() {
 #[test]
 fn closing_ends_open_fragments_in_order_and_fails_unsettled_hosted_calls() {
     let mut p = translator();
-    p.accept(Event::TextStart).unwrap();
+    // Opened in the reverse of the closing order: the order is by kind, not by arrival.
+    p.accept(Event::ToolInputStart {
+        id: "c".into(),
+        name: "read".into(),
+    })
+    .unwrap();
+    p.accept(Event::ToolInputDelta {
+        id: "c".into(),
+        delta: "{\"pa".into(),
+    })
+    .unwrap();
     p.accept(Event::ReasoningStart).unwrap();
+    p.accept(Event::TextStart).unwrap();
     p.accept(Event::ToolCall {
         id: "h".into(),
         name: "web_search".into(),
@@ -147,15 +158,51 @@ fn closing_ends_open_fragments_in_order_and_fails_unsettled_hosted_calls() {
         provider_executed: true,
     })
     .unwrap();
-    let closed: Vec<&str> = p.close().iter().map(DurableEvent::type_name).collect();
+    let closed = p.close();
+    let kinds: Vec<&str> = closed.iter().map(DurableEvent::type_name).collect();
     assert_eq!(
-        closed,
+        kinds,
         vec![
             "session.next.text.ended",
             "session.next.reasoning.ended",
+            "session.next.tool.input.ended",
+            "session.next.tool.failed",
             "session.next.tool.failed"
         ]
     );
+    assert!(
+        matches!(&closed[2], DurableEvent::ToolInputEnded(e) if e.text == "{\"pa"),
+        "{closed:?}"
+    );
+    let failures: Vec<&str> = closed
+        .iter()
+        .filter_map(|e| match e {
+            DurableEvent::ToolFailed(f) => Some(f.error.kind.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failures, vec!["provider.incomplete", "provider.unsettled"]);
+}
+
+#[test]
+fn a_finish_is_recorded_without_publishing_step_ended() {
+    let mut p = translator();
+    let usage = Usage {
+        input: 12,
+        output: 3,
+        ..Usage::default()
+    };
+    let accepted = p
+        .accept(Event::Finish {
+            finish: Finish::ToolCalls,
+            usage,
+        })
+        .unwrap();
+    assert!(
+        accepted.durable.is_empty() && accepted.ephemeral.is_empty() && accepted.launch.is_empty(),
+        "{accepted:?}"
+    );
+    assert_eq!(p.finish, Some((Finish::ToolCalls, usage)));
 }
 
 #[test]
