@@ -709,3 +709,324 @@ async fn an_execution_abandoned_while_cancelling_is_settled_and_not_continued() 
     assert_eq!(h.recording.requests.lock().unwrap().len(), 1);
     assert!(!h.claim_exists(session).await);
 }
+
+/// Waits until `runner` publishes a successful settlement of `session`'s execution.
+async fn succeeded(
+    live: &mut tokio::sync::broadcast::Receiver<keel_core::runner::Live>,
+    session: SessionId,
+) {
+    let settled = async {
+        loop {
+            if let Ok(keel_core::runner::Live::Durable(e)) = live.recv().await
+                && e.session_id == session
+                && matches!(
+                    &e.event,
+                    DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded
+                )
+            {
+                return;
+            }
+        }
+    };
+    // A bound against hanging, not a measure of speed.
+    tokio::time::timeout(std::time::Duration::from_secs(60), settled)
+        .await
+        .expect("the session's execution succeeded");
+}
+
+/// The session's admissions of source `recovery`, and how often each was promoted.
+async fn continuations(h: &Harness, session: SessionId) -> Vec<(InputId, usize)> {
+    let log = h.log(session).await;
+    log.iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::PromptAdmitted(p) if p.source == InputSource::Recovery => {
+                Some(p.input_id)
+            }
+            _ => None,
+        })
+        .map(|id| {
+            let promoted = log
+                .iter()
+                .filter(|e| matches!(&e.event, DurableEvent::Prompted(p) if p.input_id == id))
+                .count();
+            (id, promoted)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_lost_wake_of_a_recovery_continuation_is_redriven_by_a_later_pass() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![text("Working."), call("gate", json!({}))],
+            vec![text("Continued after the restart.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let _paused = h.run_to_gate(session).await;
+    h.clock.advance(LEASE + 1);
+    // The recovering process commits the settlement and the continuation, then dies
+    // before its wake.
+    let settled = recovery::settle_abandoned(&h.store, |_| {}).await.unwrap();
+    assert_eq!(settled.recovered, vec![session]);
+    assert!(!h.claim_exists(session).await);
+    assert_eq!(continuations(&h, session).await.len(), 1);
+
+    let restarted = h.other_runner();
+    let mut live = restarted.subscribe();
+    let report = Recovery::default().pass(&restarted).await.unwrap();
+    assert!(report.recovered.is_empty(), "{report:?}");
+    assert_eq!(report.redriven, vec![session]);
+    succeeded(&mut live, session).await;
+
+    let [(_, promoted)] = continuations(&h, session).await[..] else {
+        panic!("one continuation");
+    };
+    assert_eq!(promoted, 1);
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    assert!(format!("{:?}", requests[1]).contains(&CONTINUATION[..40]));
+}
+
+#[tokio::test]
+async fn a_pass_behind_a_full_batch_of_abandoned_claims_still_redrives_ordinary_lost_wakes() {
+    let h = Harness::new(Setup::default()).await;
+    let now = h.clock.now_ms();
+    let mut abandoned = Vec::new();
+    for i in 0..=BATCH_SIZE {
+        let session = h.session().await;
+        abandon(&h, session, None, "claimed", now - 1_000_000 + i).await;
+        abandoned.push(session);
+    }
+    // Ordinary work whose wake was lost, behind the backlog of abandoned claims.
+    let ordinary = [h.prompted("first").await, h.prompted("second").await];
+
+    let first = Recovery::default().pass(&h.runner).await.unwrap();
+    assert!(first.backlog);
+    // The oldest deadlines first: one full batch of the abandoned claims.
+    assert_eq!(
+        first.recovered,
+        abandoned[..usize::try_from(BATCH_SIZE).unwrap()]
+    );
+    let mut redriven = first.redriven.clone();
+    redriven.sort_by_key(ToString::to_string);
+    let mut expected = ordinary.to_vec();
+    expected.sort_by_key(ToString::to_string);
+    assert_eq!(
+        redriven, expected,
+        "ordinary work is not held up by the backlog"
+    );
+
+    let second = Recovery::default().pass(&h.runner).await.unwrap();
+    assert_eq!(
+        second.recovered,
+        abandoned[usize::try_from(BATCH_SIZE).unwrap()..]
+    );
+    assert!(!second.backlog);
+    for session in ordinary {
+        h.runner.run(session).await.unwrap();
+        assert!(h.kinds(session).await.contains(&"step.ended".to_owned()));
+    }
+}
+
+#[tokio::test]
+async fn a_continuation_whose_id_another_session_holds_quarantines_the_claim() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![text("Working."), call("gate", json!({}))],
+            vec![text("Must not run.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let _paused = h.run_to_gate(session).await;
+    let execution_id = h
+        .store
+        .read(move |c| execution::get(c, session))
+        .await
+        .unwrap()
+        .unwrap()
+        .claim
+        .id;
+    // The id the continuation derives from the execution is already another session's.
+    let elsewhere = h.session().await;
+    let clock = h.store.clock().clone();
+    let squatter = keel_core::inbox::Admission {
+        id: Some(InputId::from_ulid(execution_id.ulid())),
+        request_execution: false,
+        ..keel_core::inbox::Admission::prompt(vec![keel_schema::types::Part::Text {
+            text: "mine".into(),
+        }])
+    };
+    h.store
+        .write(move |c| keel_core::inbox::admit(c, clock.now_ms(), elsewhere, squatter.clone()))
+        .await
+        .unwrap();
+    let before = h.kinds(session).await;
+    h.clock.advance(LEASE + 1);
+
+    let other = h.other_runner();
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert!(
+        report.recovered.is_empty() && report.redriven.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(report.quarantined.len(), 1, "{report:?}");
+    assert_eq!(report.quarantined[0].claim, execution_id.to_string());
+    let reason = recovery_error(&h, session).await.expect("quarantined");
+    assert_eq!(reason, report.quarantined[0].reason);
+    assert!(reason.starts_with("recovering failed"), "{reason}");
+    assert!(
+        reason.contains("conflicts with an earlier admission"),
+        "{reason}"
+    );
+    // The whole settlement rolled back: nothing was appended, no continuation exists in
+    // this session, and the other session's input is untouched.
+    assert_eq!(h.kinds(session).await, before);
+    assert!(continuations(&h, session).await.is_empty());
+    assert!(!other.is_busy(session));
+    let kinds = h.kinds(elsewhere).await;
+    assert_eq!(kinds, ["created", "prompt.admitted"]);
+}
+
+#[tokio::test]
+async fn a_replacement_claim_that_dies_before_promotion_redrives_the_one_existing_continuation() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![text("Working."), call("gate", json!({}))],
+            vec![text("Continued after the restarts.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let _paused = h.run_to_gate(session).await;
+    h.clock.advance(LEASE + 1);
+    let first = recovery::settle_abandoned(&h.store, |_| {}).await.unwrap();
+    assert_eq!(first.recovered, vec![session]);
+    // The replacement claims the session and dies before it promotes the continuation.
+    abandon(&h, session, None, "claimed", h.clock.now_ms() - 1).await;
+
+    let other = h.other_runner();
+    let mut live = other.subscribe();
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    succeeded(&mut live, session).await;
+
+    let [(_, promoted)] = continuations(&h, session).await[..] else {
+        panic!("exactly one continuation: {:?}", h.kinds(session).await);
+    };
+    assert_eq!(promoted, 1);
+    let settled: Vec<Outcome> = h
+        .log(session)
+        .await
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::ExecutionSettled(s) => Some(s.outcome),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        settled,
+        [Outcome::Recovered, Outcome::Recovered, Outcome::Succeeded]
+    );
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    let seen = format!("{:?}", requests[1]);
+    assert_eq!(seen.matches(&CONTINUATION[..40]).count(), 1, "{seen}");
+}
+
+#[tokio::test]
+async fn a_claim_behind_a_newer_assistant_is_quarantined_and_its_session_never_promotes_a_continuation()
+ {
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("probe", json!({}))],
+            vec![text("Done.")],
+            vec![text("Answered the steer.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    // Two finished steps: a claim naming the first assistant is behind the second.
+    let session = h.prompted("hello").await;
+    h.runner.run(session).await.unwrap();
+    let first_assistant = h
+        .log(session)
+        .await
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::StepStarted(s) => Some(s.assistant_message_id),
+            _ => None,
+        })
+        .unwrap();
+    abandon(
+        &h,
+        session,
+        Some(first_assistant),
+        "running",
+        h.clock.now_ms() - 1,
+    )
+    .await;
+    let before = h.kinds(session).await;
+
+    let report = Recovery::default().pass(&h.runner).await.unwrap();
+    assert_eq!(report.quarantined.len(), 1, "{report:?}");
+    assert!(
+        report.quarantined[0].reason.contains("superseded"),
+        "{report:?}"
+    );
+    // Not settled, not continued, not woken.
+    assert!(report.recovered.is_empty() && report.redriven.is_empty());
+    assert!(!h.runner.is_busy(session));
+    assert_eq!(h.kinds(session).await, before);
+    assert!(continuations(&h, session).await.is_empty());
+
+    // A steer waits behind the quarantined claim; an operator then deletes the claim and
+    // the session runs again: only the steer is promoted, and the model never hears of a
+    // restart.
+    let steer = h.admit(session, "go on", Delivery::Steer).await;
+    assert!(
+        Recovery::default()
+            .pass(&h.runner)
+            .await
+            .unwrap()
+            .redriven
+            .is_empty(),
+        "the quarantined claim holds the session"
+    );
+    h.store
+        .write(move |c| {
+            diesel::sql_query(format!(
+                "DELETE FROM session_execution WHERE session_id = '{session}'"
+            ))
+            .execute(c)
+            .map(|_| ())
+            .map_err(store::Error::from)
+        })
+        .await
+        .unwrap();
+    h.runner.run(session).await.unwrap();
+    let promoted: Vec<InputId> = h
+        .log(session)
+        .await
+        .iter()
+        .skip(before.len())
+        .filter_map(|e| match &e.event {
+            DurableEvent::Prompted(p) => Some(p.input_id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(promoted, vec![steer]);
+    assert!(continuations(&h, session).await.is_empty());
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert!(
+        requests
+            .iter()
+            .all(|r| !format!("{r:?}").contains(&CONTINUATION[..40])),
+        "the model never hears of a restart"
+    );
+}
