@@ -340,6 +340,40 @@ async fn interrupt_clears_the_doorbell_cancels_the_drain_and_returns_before_clea
 }
 
 #[tokio::test]
+async fn once_interrupted_cleanup_runs_to_its_end_in_the_busy_period_whatever_the_callers_do() {
+    let mut h = Harness::new();
+    let caller = tokio::spawn(h.coordinator.run("a"));
+    let (_, cancel, done) = h.start().await;
+    // The interrupter does not wait: interrupt returns at once, before cleanup.
+    assert!(h.coordinator.interrupt(&"a"));
+    assert!(cancel.is_cancelled());
+    done.send(Err("interrupted".into())).unwrap();
+    let cleanup = h.cleanup().await;
+    // Everyone goes away or tries again: the caller that started the execution, a
+    // second interrupt, a caller that joins and is dropped.
+    caller.abort();
+    assert!(caller.await.unwrap_err().is_cancelled());
+    assert!(!h.coordinator.interrupt(&"a"));
+    drop(h.coordinator.run("a"));
+    h.quiesce().await;
+    // Cleanup was not cut short: its future is still alive, and the key stays busy
+    // until it ends.
+    assert!(!cleanup.is_closed(), "the coordinator dropped the cleanup");
+    assert!(h.coordinator.is_busy(&"a"));
+    h.assert_no_call();
+    cleanup.send(Ok(())).unwrap();
+    assert_eq!(h.settle().await, Err("interrupted".into()));
+    // The dropped joiner's resume still runs once, after cleanup and settlement.
+    let (request, _, done) = h.start().await;
+    assert_eq!(request, FORCED);
+    done.send(Ok(())).unwrap();
+    assert_eq!(h.settle().await, Ok(()));
+    h.quiesce().await;
+    h.assert_no_call();
+    assert!(!h.coordinator.is_busy(&"a"));
+}
+
+#[tokio::test]
 async fn a_wake_during_cleanup_starts_one_successor_only_after_cleanup() {
     let mut h = Harness::new();
     h.coordinator.wake("a", Scope::Input);
