@@ -16,12 +16,17 @@
 //!   goes to that node (`{"to", "session", "kind"}`), which carries it out as if it had
 //!   been asked directly. A wake for a session nobody holds is taken locally. (A reply to
 //!   a permission request or a question is committed by the node that receives it; its
-//!   wake travels like any other.)
+//!   wake travels like any other.) An interrupt is recorded on the claim before it is
+//!   sent ([`crate::execution::request_cancel`]): the message only makes the owner stop
+//!   sooner than its next lease renewal, which finds the interrupt anyway.
+//!
+//! A notification that could not be sent (the connection broke) is sent again on the
+//! next connection, in order, before anything queued after it.
 //!
 //! The connection is polled every [`POLL`]: libpq's notifications arrive on its socket,
 //! which diesel does not expose for waiting, and a 20 ms poll costs one non-blocking read.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -289,6 +294,17 @@ impl Forwarder for Bus {
             tracing::error!(error = %e, "a wake could not be routed");
         }
     }
+
+    fn forward_interrupt(&self, owner: OwnerId, session: SessionId) {
+        let interrupt = Route {
+            to: owner,
+            session,
+            kind: RouteKind::Interrupt,
+        };
+        if let Err(e) = self.forward(&interrupt) {
+            tracing::error!(error = %e, "an interrupt could not be routed");
+        }
+    }
 }
 
 /// Forwards this node's commits on `keel_log`, one range per session and burst.
@@ -331,6 +347,22 @@ async fn forward_commits(bus: Bus, runner: Runner, shutdown: CancellationToken) 
     }
 }
 
+/// Sends `unsent` in order; a notification leaves the queue only once it was sent, so
+/// one that fails is first in line on the next connection.
+fn send(
+    connection: &mut PgConnection,
+    unsent: &mut VecDeque<Outgoing>,
+) -> Result<(), diesel::result::Error> {
+    while let Some(outgoing) = unsent.front() {
+        diesel::sql_query("SELECT pg_notify($1, $2)")
+            .bind::<Text, _>(outgoing.channel)
+            .bind::<Text, _>(&outgoing.payload)
+            .execute(connection)?;
+        unsent.pop_front();
+    }
+    Ok(())
+}
+
 /// The bus thread's state.
 struct Receiver {
     owner: OwnerId,
@@ -341,11 +373,13 @@ struct Receiver {
 
 impl Receiver {
     fn run(self, url: &str, queue: &mpsc::Receiver<Outgoing>, shutdown: &CancellationToken) {
+        // Notifications taken from the queue and not sent yet.
+        let mut unsent = VecDeque::new();
         while !shutdown.is_cancelled() {
             match self.connect(url) {
                 Ok(mut connection) => {
                     tracing::info!("listening for the other nodes");
-                    if let Err(e) = self.serve(&mut connection, queue, shutdown) {
+                    if let Err(e) = self.serve(&mut connection, queue, &mut unsent, shutdown) {
                         tracing::warn!(error = %e, "the bus connection failed; reconnecting");
                     }
                 }
@@ -371,15 +405,12 @@ impl Receiver {
         &self,
         connection: &mut PgConnection,
         queue: &mpsc::Receiver<Outgoing>,
+        unsent: &mut VecDeque<Outgoing>,
         shutdown: &CancellationToken,
     ) -> Result<(), diesel::result::Error> {
         while !shutdown.is_cancelled() {
-            while let Ok(Outgoing { channel, payload }) = queue.try_recv() {
-                diesel::sql_query("SELECT pg_notify($1, $2)")
-                    .bind::<Text, _>(channel)
-                    .bind::<Text, _>(&payload)
-                    .execute(connection)?;
-            }
+            unsent.extend(queue.try_iter());
+            send(connection, unsent)?;
             let received: Vec<_> = connection.notifications_iter().collect::<Result<_, _>>()?;
             for notification in received {
                 match notification.channel.as_str() {
@@ -444,10 +475,74 @@ impl Receiver {
         self.handle.spawn(async move {
             match route.kind {
                 RouteKind::Wake => runner.wake(route.session, Scope::Input),
+                // The sender recorded the interrupt on the claim before sending it.
                 RouteKind::Interrupt => {
-                    runner.interrupt(route.session).await;
+                    runner.stop_cancelled(route.session);
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection to the test server, or `None` (the test is skipped, as the store
+    /// suite says) without `KEEL_TEST_POSTGRES_URL`.
+    fn connect() -> Option<PgConnection> {
+        let Ok(url) = std::env::var("KEEL_TEST_POSTGRES_URL") else {
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("KEEL_TEST_POSTGRES_URL must be set in CI");
+            }
+            eprintln!("note: skipped: set KEEL_TEST_POSTGRES_URL to run this PostgreSQL test");
+            return None;
+        };
+        Some(PgConnection::establish(&url).unwrap())
+    }
+
+    #[test]
+    fn a_notification_that_could_not_be_sent_is_sent_first_on_the_next_connection() {
+        let Some(mut listener) = connect() else {
+            return;
+        };
+        let channel = "keel_test_unsent";
+        diesel::sql_query(format!("LISTEN {channel}"))
+            .execute(&mut listener)
+            .unwrap();
+        let outgoing = |payload: &str| Outgoing {
+            channel,
+            payload: payload.to_owned(),
+        };
+        let mut unsent: VecDeque<Outgoing> = [outgoing("first"), outgoing("second")].into();
+
+        // The connection breaks before the first notification goes out.
+        let mut broken = connect().unwrap();
+        #[derive(QueryableByName)]
+        struct Pid {
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            pid: i32,
+        }
+        let Pid { pid } = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+            .get_result(&mut broken)
+            .unwrap();
+        diesel::sql_query(format!("SELECT pg_terminate_backend({pid})"))
+            .execute(&mut listener)
+            .unwrap();
+        assert!(send(&mut broken, &mut unsent).is_err());
+        assert_eq!(unsent.len(), 2, "nothing is dropped with the connection");
+
+        // The next connection sends both, in order.
+        send(&mut connect().unwrap(), &mut unsent).unwrap();
+        assert!(unsent.is_empty());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut received = Vec::new();
+        while received.len() < 2 && std::time::Instant::now() < deadline {
+            for notification in listener.notifications_iter() {
+                received.push(notification.unwrap().payload);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(received, ["first", "second"]);
     }
 }

@@ -289,23 +289,55 @@ pub fn renew(
 /// Claims renewed per statement (SQLite binds each id of an `IN` list).
 const RENEW_CHUNK: usize = 500;
 
-/// The sessions whose claims `owner_id` holds with a lease still running at `now`.
+/// The sessions whose claims `owner_id` holds with a lease still running at `now`, with
+/// each claim's phase (a `cancelling` the owner did not set itself is an interrupt
+/// another node recorded: [`request_cancel`]).
 pub fn live_sessions(
     connection: &mut Conn,
     now: i64,
     owner_id: OwnerId,
-) -> Result<Vec<SessionId>, store::Error> {
-    let ids: Vec<String> = session_execution::table
+) -> Result<Vec<(SessionId, Phase)>, store::Error> {
+    let rows: Vec<(String, String)> = session_execution::table
         .filter(session_execution::owner_id.eq(owner_id.to_string()))
         .filter(session_execution::expires_at.gt(now))
-        .select(session_execution::session_id)
+        .select((session_execution::session_id, session_execution::phase))
         .load(connection)?;
-    ids.into_iter()
-        .map(|id| {
-            id.parse()
-                .map_err(|e| store::Error::Corrupt(format!("claim session {id}: {e}")))
+    rows.into_iter()
+        .map(|(id, phase)| {
+            let session = id
+                .parse()
+                .map_err(|e| store::Error::Corrupt(format!("claim session {id}: {e}")))?;
+            Ok((session, parse_text("session_execution.phase", &phase)?))
         })
         .collect()
+}
+
+/// Records an interrupt of `session`'s execution, whichever process runs it: the claim's
+/// phase becomes `cancelling`. Returns the claim's owner, or `None` when there is no
+/// claim to stop (or it is quarantined). Once committed, the interrupt cannot be lost:
+/// the owner stops the execution when the interrupt reaches it or, at the latest, at its
+/// next lease renewal, and recovery settles a cancelling claim as interrupted, never
+/// continuing it. Not fenced: it is not a write of the execution's own.
+pub fn request_cancel(
+    connection: &mut Conn,
+    session: SessionId,
+) -> Result<Option<OwnerId>, store::Error> {
+    let owner: Option<String> = diesel::update(
+        session_execution::table
+            .filter(session_execution::session_id.eq(session.to_string()))
+            .filter(session_execution::recovery_error.is_null()),
+    )
+    .set(session_execution::phase.eq(text_of(&Phase::Cancelling)))
+    .returning(session_execution::owner_id)
+    .get_result(connection)
+    .optional()?;
+    owner
+        .map(|owner| {
+            owner
+                .parse()
+                .map_err(|e| store::Error::Corrupt(format!("claim owner {owner}: {e}")))
+        })
+        .transpose()
 }
 
 /// Expires every lease of `owner_id` now, handing its executions to recovery at once (a

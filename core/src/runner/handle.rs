@@ -17,10 +17,14 @@ use crate::execution;
 use crate::request::{self, Reply};
 use crate::store::{self, Store};
 
-/// Where a wake goes when another node holds the session's claim.
+/// Where a wake or an interrupt goes when another node holds the session's claim.
 pub trait Forwarder: Send + Sync {
     /// `owner` holds `session`'s claim; tell it there is work.
     fn forward_wake(&self, owner: OwnerId, session: SessionId);
+    /// `owner` holds `session`'s claim, and an interrupt of it is recorded
+    /// ([`execution::request_cancel`]); tell it to stop now rather than at its next
+    /// renewal.
+    fn forward_interrupt(&self, owner: OwnerId, session: SessionId);
 }
 
 /// The handle the service uses to run sessions.
@@ -243,14 +247,50 @@ impl Runner {
             })
             .await?;
         // Only claims the database still gives this owner get a later deadline.
+        let mut cancelled = Vec::new();
         for (session, held) in lock(&engine.held).iter() {
-            if live.contains(session) {
+            if let Some((_, phase)) = live.iter().find(|(live, _)| live == session) {
                 held.ownership
                     .deadline
                     .fetch_max(now + lease, Ordering::SeqCst);
+                if *phase == Phase::Cancelling {
+                    cancelled.push(*session);
+                }
             }
         }
+        // An interrupt recorded by another node whose message never arrived.
+        for session in cancelled {
+            self.stop_cancelled(session);
+        }
         Ok(renewed)
+    }
+
+    /// Stops this process's execution of `session`, whose interrupt is already recorded
+    /// on its claim. False when it does not run here or is already stopping.
+    pub fn stop_cancelled(&self, session: SessionId) -> bool {
+        self.is_busy(session) && self.coordinator.interrupt(&session)
+    }
+
+    /// Interrupts `session`'s execution where this process does not run it: records the
+    /// interrupt on the claim ([`execution::request_cancel`]), then tells the owner.
+    /// Returns whether there was an execution to stop, once the interrupt is durable.
+    pub async fn interrupt_elsewhere(&self, session: SessionId) -> Result<bool, Error> {
+        let owner = self
+            .store()
+            .write(move |c| execution::request_cancel(c, session))
+            .await?;
+        let Some(owner) = owner else {
+            return Ok(false);
+        };
+        tracing::info!(%session, %owner, "interrupt recorded for the execution's owner");
+        if owner == self.owner() {
+            // A claim this process no longer runs (its release failed): recovery settles
+            // it as interrupted.
+            self.stop_cancelled(session);
+        } else if let Some(forwarder) = self.engine().forwarder.get() {
+            forwarder.forward_interrupt(owner, session);
+        }
+        Ok(true)
     }
 
     /// Commits `reply` to `request` of `session` and wakes the session, which resumes the

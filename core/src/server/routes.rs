@@ -333,22 +333,10 @@ pub async fn interrupt(
     if state.runner.interrupt(id).await {
         return Ok(Json(InterruptResponse { interrupted: true }));
     }
-    // Another node may be running it: the interrupt goes there.
-    let holder = state.store.read(move |c| claim_holder(c, id)).await?;
-    let routed = match (holder, &state.bus) {
-        (Some(holder), Some(bus)) if holder != state.runner.owner() => {
-            let interrupt = cluster::Route {
-                to: holder,
-                session: id,
-                kind: cluster::RouteKind::Interrupt,
-            };
-            bus.forward(&interrupt).is_ok()
-        }
-        _ => false,
-    };
-    Ok(Json(InterruptResponse {
-        interrupted: routed,
-    }))
+    // Another node (or a process gone) may hold the claim: the interrupt is recorded on it
+    // before the answer, then sent to its owner.
+    let interrupted = state.runner.interrupt_elsewhere(id).await?;
+    Ok(Json(InterruptResponse { interrupted }))
 }
 
 pub async fn resume(

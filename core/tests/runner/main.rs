@@ -23,5 +23,6 @@ mod ownership;
 mod permissions;
 mod recovery;
 mod retries;
+mod routed;
 mod shutdown;
 mod steps;

@@ -1,0 +1,173 @@
+//! Interrupts of an execution another process runs: recorded on its claim before they
+//! are acknowledged, so neither a lost message nor the owner's death can undo them.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keel_core::coordinator::RunError;
+use keel_core::execution;
+use keel_core::recovery::Recovery;
+use keel_core::runner::{Error, Forwarder, Runner};
+use keel_schema::event::DurableEvent;
+use keel_schema::id::{OwnerId, SessionId};
+use keel_schema::types::{InterruptReason, Phase};
+use serde_json::json;
+
+use crate::support::{Harness, LEASE, Setup, call, script, text};
+
+async fn phase(h: &Harness, session: SessionId) -> Option<Phase> {
+    h.store
+        .read(move |c| execution::get(c, session))
+        .await
+        .unwrap()
+        .map(|row| row.phase)
+}
+
+/// The step's end: exactly one `step.interrupted`, by the user, and the claim released.
+async fn interrupted_by_the_user(h: &Harness, session: SessionId) {
+    let log = h.log(session).await;
+    let reasons: Vec<InterruptReason> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::StepInterrupted(i) => Some(i.reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasons, [InterruptReason::User]);
+    assert_eq!(
+        log.last().map(|e| e.event.type_name()),
+        Some("session.next.execution.settled")
+    );
+    assert!(!h.claim_exists(session).await);
+}
+
+/// The run's outcome; a run that never stops fails the test instead of hanging it.
+async fn stopped(
+    run: tokio::task::JoinHandle<Result<(), RunError<Error>>>,
+) -> Result<(), RunError<Error>> {
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the owner never stopped")
+        .unwrap()
+}
+
+fn gated() -> Setup {
+    Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Must not run.")],
+        ])),
+        ..Setup::default()
+    }
+}
+
+#[tokio::test]
+async fn an_interrupt_for_another_owner_is_durable_when_acknowledged_and_honoured_at_the_owners_renewal()
+ {
+    let mut h = Harness::new(gated()).await;
+    let session = h.prompted("go").await;
+    let run = h.run_to_gate(session).await;
+
+    // A process that does not run the session: nothing to stop here, so the interrupt
+    // is recorded on the claim, and only then acknowledged.
+    let elsewhere = h.other_runner();
+    assert!(!elsewhere.interrupt(session).await);
+    assert!(elsewhere.interrupt_elsewhere(session).await.unwrap());
+    assert_eq!(phase(&h, session).await, Some(Phase::Cancelling));
+
+    // No message reached the owner (no forwarder here): its next renewal finds the
+    // interrupt and stops the step.
+    h.runner.renew().await.unwrap();
+    assert_outcome!(
+        stopped(run).await,
+        Err(RunError::Failed(Error::Interrupted))
+    );
+    interrupted_by_the_user(&h, session).await;
+    assert_eq!(h.recording.requests.lock().unwrap().len(), 1);
+}
+
+/// Hands interrupts straight to the owning runner, as the cluster bus does.
+struct Direct {
+    owner: Runner,
+    sent: Mutex<Vec<(OwnerId, SessionId)>>,
+}
+
+impl Forwarder for Direct {
+    fn forward_wake(&self, _: OwnerId, _: SessionId) {}
+
+    fn forward_interrupt(&self, owner: OwnerId, session: SessionId) {
+        self.sent.lock().unwrap().push((owner, session));
+        self.owner.stop_cancelled(session);
+    }
+}
+
+#[tokio::test]
+async fn an_interrupt_sent_to_the_owner_stops_it_without_waiting_for_a_renewal() {
+    let mut h = Harness::new(gated()).await;
+    let session = h.prompted("go").await;
+    let run = h.run_to_gate(session).await;
+    let elsewhere = h.other_runner();
+    let direct = Arc::new(Direct {
+        owner: h.runner.clone(),
+        sent: Mutex::new(Vec::new()),
+    });
+    elsewhere.forward_through(direct.clone());
+
+    assert!(elsewhere.interrupt_elsewhere(session).await.unwrap());
+    assert_eq!(
+        *direct.sent.lock().unwrap(),
+        [(h.runner.owner(), session)],
+        "the interrupt goes to the claim's owner"
+    );
+    assert_outcome!(
+        stopped(run).await,
+        Err(RunError::Failed(Error::Interrupted))
+    );
+    interrupted_by_the_user(&h, session).await;
+}
+
+#[tokio::test]
+async fn an_interrupt_recorded_before_the_owner_dies_is_settled_by_recovery_and_never_continued() {
+    let mut h = Harness::new(gated()).await;
+    let session = h.prompted("go").await;
+    let _abandoned = h.run_to_gate(session).await;
+    let elsewhere = h.other_runner();
+    assert!(elsewhere.interrupt_elsewhere(session).await.unwrap());
+
+    // The owner dies before it hears of it; its lease runs out.
+    h.clock.advance(LEASE + 1);
+    assert_eq!(
+        Recovery::default()
+            .pass(&elsewhere)
+            .await
+            .unwrap()
+            .recovered,
+        vec![session]
+    );
+    elsewhere.run(session).await.unwrap();
+    let kinds = h.kinds(session).await;
+    let from = kinds.iter().position(|k| k == "step.recovered").unwrap();
+    assert_eq!(
+        kinds[from..from + 2],
+        ["step.recovered", "execution.settled"]
+    );
+    assert!(
+        !kinds[from..]
+            .iter()
+            .any(|k| k == "prompt.admitted" || k == "step.started"),
+        "the stopped work is not continued: {kinds:?}"
+    );
+    assert_eq!(h.recording.requests.lock().unwrap().len(), 1);
+    assert!(!h.claim_exists(session).await);
+}
+
+#[tokio::test]
+async fn an_interrupt_with_no_execution_anywhere_records_nothing() {
+    let h = Harness::new(gated()).await;
+    let session = h.prompted("go").await;
+    let before = h.log(session).await.len();
+    let elsewhere = h.other_runner();
+    assert!(!elsewhere.interrupt_elsewhere(session).await.unwrap());
+    assert_eq!(h.log(session).await.len(), before);
+    assert!(!h.claim_exists(session).await);
+}
