@@ -13,7 +13,7 @@ use keel_schema::id::{OwnerId, SessionId};
 use keel_schema::types::{InterruptReason, Phase};
 use serde_json::json;
 
-use crate::support::{Harness, LEASE, Setup, call, script, text};
+use crate::support::{Harness, Hold, LEASE, Setup, call, script, text};
 
 async fn phase(h: &Harness, session: SessionId) -> Option<Phase> {
     h.store
@@ -170,4 +170,42 @@ async fn an_interrupt_with_no_execution_anywhere_records_nothing() {
     assert!(!elsewhere.interrupt_elsewhere(session).await.unwrap());
     assert_eq!(h.log(session).await.len(), before);
     assert!(!h.claim_exists(session).await);
+}
+
+#[tokio::test]
+async fn an_interrupt_whose_caller_goes_away_during_its_write_still_stops_the_execution() {
+    let (mut hold, failpoint) = Hold::new();
+    let mut h = Harness::new(Setup {
+        failpoint: Some(failpoint),
+        ..gated()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let run = h.run_to_gate(session).await;
+
+    // The interrupt's `cancelling` write is pending when its caller (an HTTP client
+    // that disconnects, say) goes away: the write lands, the cancellation it was
+    // about to hand to the execution does not.
+    hold.at(h.store.stats().0);
+    let runner = h.runner.clone();
+    let interrupt = tokio::spawn(async move { runner.interrupt(session).await });
+    hold.reached().await;
+    interrupt.abort();
+    hold.release();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while phase(&h, session).await != Some(Phase::Cancelling) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the interrupt's write never landed");
+    assert!(!run.is_finished());
+
+    // The owner's next renewal finds the recorded interrupt and carries it out.
+    h.runner.renew().await.unwrap();
+    assert_outcome!(
+        stopped(run).await,
+        Err(RunError::Failed(Error::Interrupted))
+    );
+    interrupted_by_the_user(&h, session).await;
 }
