@@ -435,6 +435,57 @@ async fn a_prompt_too_long_and_a_request_too_large_are_context_overflows() {
 }
 
 #[tokio::test]
+async fn a_raw_prompt_too_long_is_recovered_by_one_compaction_and_a_retry_through_the_runner() {
+    // The first prompt's answer, then the 400 the API sends for a prompt too long, the
+    // summary, and the retried step's answer.
+    let (h, fake) = harness(vec![
+        fixture("text"),
+        fixture("overflow"),
+        fixture("answer"),
+        fixture("text"),
+    ])
+    .await;
+    let session = prompted(&h, "Hello?").await;
+    prompt(&h, session, "And now?").await;
+
+    let kinds: Vec<String> = h.kinds(session).await;
+    let from = kinds.iter().rposition(|k| k == "step.started").unwrap();
+    assert_eq!(
+        kinds[from..],
+        [
+            "step.started",
+            "compaction.started",
+            "compaction.ended",
+            "context.epoch_started",
+            "text.started",
+            "text.ended",
+            "step.ended",
+            "execution.settled",
+        ]
+    );
+    let log = h.log(session).await;
+    let reasons: Vec<_> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::CompactionStarted(c) => Some(c.reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasons, [keel_schema::types::CompactionReason::Overflow]);
+    assert!(
+        !log.iter()
+            .any(|e| matches!(e.event, DurableEvent::StepFailed(_)))
+    );
+    // The retry went out once, starting from the summary.
+    assert_eq!(fake.received().len(), 4);
+    let retried = messages(&fake, 3).to_string();
+    assert!(
+        retried.contains("Summary of the conversation so far"),
+        "{retried}"
+    );
+}
+
+#[tokio::test]
 async fn an_overloaded_error_mid_stream_ends_the_stream_after_what_came_before() {
     assert_eq!(
         direct(fixture("overloaded_mid_stream")).await,

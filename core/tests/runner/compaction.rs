@@ -8,15 +8,16 @@ use std::collections::HashMap;
 use keel_core::coordinator::RunError;
 use keel_core::inbox::{self, Admission};
 use keel_core::provider::{self, AssistantItem, Event, Turn};
+use keel_core::recovery::Recovery;
 use keel_core::runner::{Error, Live, ModelLimits};
 use keel_schema::api::Message;
-use keel_schema::event::DurableEvent;
+use keel_schema::event::{DurableEvent, EphemeralEvent};
 use keel_schema::id::SessionId;
-use keel_schema::types::{CompactionReason, Delivery, Finish, InputKind, Usage};
+use keel_schema::types::{CompactionReason, Delivery, Finish, InputKind, Phase, Usage};
 use serde_json::json;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::support::{Harness, Setup};
+use crate::support::{Harness, Hold, LEASE, Setup};
 
 type Sender = UnboundedSender<Result<Event, provider::Error>>;
 
@@ -403,4 +404,244 @@ async fn the_context_is_compacted_automatically_at_the_model_limit() {
     assert_eq!(step.max_output_tokens, Some(100));
     assert_eq!(step.turns.len(), 2, "{:?}", step.turns);
     assert!(user_text(&step.turns[1]).contains("Continue the task from the summary"));
+}
+
+/// Model limits under which [`with_history`] fits (about 1,200 estimated tokens, most of
+/// them the tool definitions) and [`long_prompt`] after it does not: a request of 3,000
+/// estimated tokens or more is compacted first.
+fn tight_limits() -> HashMap<String, ModelLimits> {
+    HashMap::from([(
+        "driven/test".to_owned(),
+        ModelLimits {
+            context: 4_000,
+            output: 1_000,
+        },
+    )])
+}
+
+/// A prompt of about 2,200 estimated tokens.
+fn long_prompt() -> String {
+    "Please consider this. ".repeat(400)
+}
+
+#[tokio::test]
+async fn an_automatic_compaction_cut_off_by_a_crash_changes_nothing_and_is_done_again() {
+    let h = Harness::new(Setup {
+        models: tight_limits(),
+        ..Setup::default()
+    })
+    .await;
+    let session = with_history(&h).await;
+    driven_prompt(&h, session, &long_prompt()).await;
+    // The summary starts streaming, and the process dies before it ends.
+    let summary = h.driven.queue();
+    summary.send(Ok(Event::TextStart)).unwrap();
+    summary
+        .send(Ok(Event::TextDelta("The user read".into())))
+        .unwrap();
+    let mut live = h.runner.subscribe();
+    let first = h.spawn_run(session);
+    loop {
+        if let Live::Ephemeral(e) = live.recv().await.unwrap()
+            && matches!(e.event, EphemeralEvent::CompactionDelta(_))
+        {
+            break;
+        }
+    }
+    let claim = h
+        .store
+        .read(move |c| keel_core::execution::get(c, session))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claim.phase, Phase::Compacting);
+
+    h.clock.advance(LEASE + 1);
+    let other = h.other_runner();
+    answer(&h, "The user read a.txt (alpha) and asked a long question.");
+    answer(&h, "Done.");
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    other.run(session).await.unwrap();
+
+    // The cut-off compaction left no summary: the new owner compacted again, once, and
+    // answered from that summary.
+    let log = h.log(session).await;
+    assert_eq!(compactions(&log), ["started", "started", "ended"]);
+    assert!(
+        !log.iter()
+            .any(|e| matches!(e.event, DurableEvent::StepRecovered(_)))
+    );
+    let step = request(&h, 4);
+    assert_eq!(step.turns.len(), 2, "{:?}", step.turns);
+    assert!(user_text(&step.turns[0]).contains("alpha) and asked a long question"));
+
+    // The dead owner's summary ends now; it can write nothing.
+    let before = h.kinds(session).await;
+    say(&summary, " a.txt.");
+    drop(summary);
+    assert_outcome!(first.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
+    assert_eq!(h.kinds(session).await, before);
+}
+
+#[tokio::test]
+async fn a_crash_after_compaction_ended_recovers_its_continuation() {
+    let (mut hold, failpoint) = Hold::new();
+    let h = Harness::new(Setup {
+        models: tight_limits(),
+        failpoint: Some(failpoint),
+        ..Setup::default()
+    })
+    .await;
+    let session = with_history(&h).await;
+    driven_prompt(&h, session, &long_prompt()).await;
+    let summary = h.driven.queue();
+    summary.send(Ok(Event::TextStart)).unwrap();
+    let mut live = h.runner.subscribe();
+    let first = h.spawn_run(session);
+    loop {
+        if let Live::Durable(e) = live.recv().await.unwrap()
+            && matches!(e.event, DurableEvent::CompactionStarted(_))
+        {
+            break;
+        }
+    }
+    // The summary ends; its commit (`compaction.ended` with the continuation) goes
+    // through, and the process stops for good before the next one, the step's start.
+    hold.at(h.store.stats().0 + 1);
+    say(
+        &summary,
+        "The user read a.txt (alpha) and asked a long question.",
+    );
+    drop(summary);
+    hold.reached().await;
+    let kinds = h.kinds(session).await;
+    let from = kinds.iter().rposition(|k| k == "prompted").unwrap();
+    assert_eq!(
+        kinds[from..],
+        [
+            "prompted",
+            "compaction.started",
+            "compaction.ended",
+            "context.epoch_started",
+            "synthetic",
+        ]
+    );
+
+    h.clock.advance(LEASE + 1);
+    let other = h.another_process().await;
+    answer(&h, "Continuing from the summary.");
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    other.run(session).await.unwrap();
+
+    let kinds = h.kinds(session).await;
+    assert_eq!(
+        kinds[from..],
+        [
+            "prompted",
+            "compaction.started",
+            "compaction.ended",
+            "context.epoch_started",
+            "synthetic",
+            "execution.settled",
+            "execution.started",
+            "step.started",
+            "text.started",
+            "text.ended",
+            "step.ended",
+            "execution.settled",
+        ]
+    );
+    // The continuation was answered from the summary, without compacting again.
+    // Requests: 2 earlier, the summary, the recovered step.
+    let step = request(&h, 3);
+    assert_eq!(step.turns.len(), 2, "{:?}", step.turns);
+    assert!(user_text(&step.turns[0]).contains("alpha) and asked a long question"));
+    assert!(user_text(&step.turns[1]).contains("Continue the task from the summary"));
+
+    // The dead owner's held commit finds its claim gone and writes nothing.
+    hold.release();
+    assert_outcome!(first.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
+    assert_eq!(h.kinds(session).await, kinds);
+}
+
+#[tokio::test]
+async fn a_step_cut_off_by_a_crash_is_summarised_whole_with_every_call_answered() {
+    let h = Harness::new(Setup::default()).await;
+    let session = with_history(&h).await;
+    driven_prompt(&h, session, "Read b.txt.").await;
+    // The step says half a sentence and starts a call whose input never completes.
+    let stream = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let first = h.spawn_run(session);
+    for event in [
+        Event::TextStart,
+        Event::TextDelta("Let me rea".into()),
+        Event::ToolInputStart {
+            id: "call_2".into(),
+            name: "read".into(),
+        },
+        Event::ToolInputDelta {
+            id: "call_2".into(),
+            delta: "{\"pa".into(),
+        },
+    ] {
+        stream.send(Ok(event)).unwrap();
+    }
+    loop {
+        if let Live::Durable(e) = live.recv().await.unwrap()
+            && matches!(e.event, DurableEvent::ToolInputStarted(_))
+        {
+            break;
+        }
+    }
+    h.clock.advance(LEASE + 1);
+    let other = h.other_runner();
+    answer(&h, "b.txt could not be read; stopping here.");
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    other.run(session).await.unwrap();
+
+    request_compaction(&h, session).await;
+    answer(&h, "Read a.txt (alpha); reading b.txt was cut off.");
+    other.run(session).await.unwrap();
+    assert_eq!(compactions(&h.log(session).await), ["started", "ended"]);
+
+    // Requests: 2 earlier, the step cut off, the continuation, the summary.
+    let summary_request = request(&h, 4);
+    assert!(user_text(summary_request.turns.last().unwrap()).contains("Summarise"));
+    assert_valid(&summary_request);
+    let items: Vec<&AssistantItem> = summary_request
+        .turns
+        .iter()
+        .filter_map(|t| match t {
+            Turn::Assistant { items } => Some(items),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(
+        items
+            .iter()
+            .all(|i| !matches!(i, AssistantItem::Text(t) if t.is_empty())),
+        "{items:?}"
+    );
+    let cut_off = summary_request
+        .turns
+        .iter()
+        .filter_map(|t| match t {
+            Turn::ToolResults { results } => Some(results),
+            _ => None,
+        })
+        .flatten()
+        .find(|r| r.output.is_err())
+        .expect("the cut-off call is answered");
+    assert!(
+        matches!(&cut_off.output, Err(e) if e.kind == "tool.interrupted-by-crash"),
+        "{cut_off:?}"
+    );
+
+    drop(stream);
+    assert_outcome!(first.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
 }

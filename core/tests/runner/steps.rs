@@ -1,14 +1,20 @@
 //! The drain and step loop.
 
-use keel_core::provider::ToolChoice;
+use std::collections::HashMap;
+use std::time::Duration;
+
+use keel_core::coordinator::RunError;
 use keel_core::provider::scripted::Item;
-use keel_core::runner::Agent;
+use keel_core::provider::{self, Event, ToolChoice, Turn};
+use keel_core::recovery::Recovery;
+use keel_core::runner::{Agent, Error, Live, ModelLimits};
 use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, payload};
-use keel_schema::types::{Delivery, Finish, ModelRef};
+use keel_schema::types::{Delivery, Finish, ModelRef, Outcome, ToolContent, Usage};
 use serde_json::json;
 
-use crate::support::{Harness, Setup, call, script, text};
+use crate::compaction::answer;
+use crate::support::{Harness, Hold, LEASE, Setup, call, script, text};
 
 #[tokio::test]
 async fn a_prompt_produces_the_documented_event_order() {
@@ -407,4 +413,376 @@ async fn what_the_model_stream_has_ready_commits_in_one_write() {
     .await;
     assert!(long.1 >= short.1 + 6, "{short:?} {long:?}");
     assert_eq!(long.0, short.0, "{short:?} {long:?}");
+}
+
+#[tokio::test]
+async fn a_hosted_call_left_unresolved_fails_before_the_tool_driven_continuation_starts() {
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![
+                Item::HostedTool {
+                    name: "web_search".into(),
+                    input: json!({"q": "keel"}),
+                    result: None,
+                    id: None,
+                },
+                call("probe", json!({})),
+            ],
+            vec![text("Done.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("search, then probe").await;
+    h.runner.run(session).await.unwrap();
+
+    let kinds = h.kinds(session).await;
+    let unsettled = kinds.iter().position(|k| k == "tool.failed").unwrap();
+    let first_end = kinds.iter().position(|k| k == "step.ended").unwrap();
+    let continuation = kinds.iter().rposition(|k| k == "step.started").unwrap();
+    assert!(
+        unsettled < first_end && first_end < continuation,
+        "{kinds:?}"
+    );
+    let log = h.log(session).await;
+    let failed: Vec<&str> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::ToolFailed(f) => Some(f.error.kind.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed, vec!["provider.unsettled"]);
+    // The continuation's request carries a result for both calls.
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    let Some(Turn::ToolResults { results }) = requests[1].turns.last() else {
+        panic!("{:?}", requests[1].turns)
+    };
+    let outcomes: Vec<(&str, bool)> = results
+        .iter()
+        .map(|r| (r.name.as_str(), r.output.is_ok()))
+        .collect();
+    assert_eq!(outcomes, vec![("web_search", false), ("probe", true)]);
+}
+
+#[tokio::test]
+async fn a_recorded_local_call_starts_while_the_stream_is_still_open() {
+    let mut h = Harness::new(Setup::default()).await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let run = h.spawn_run(session);
+    stream
+        .send(Ok(Event::ToolCall {
+            id: "c1".into(),
+            name: "gate".into(),
+            input: "{}".into(),
+            provider_executed: false,
+        }))
+        .unwrap();
+    // Nothing more comes from the model yet: a call that waited for the end of the
+    // stream would never start. (A bound on the wait, not a measure of speed.)
+    tokio::time::timeout(Duration::from_secs(60), h.gate_started.recv())
+        .await
+        .expect("the call did not start while the stream was open")
+        .unwrap();
+    assert!(!stream.is_closed(), "the step stopped reading the stream");
+    let kinds = h.kinds(session).await;
+    assert_eq!(kinds.last().unwrap(), "tool.called", "{kinds:?}");
+
+    stream
+        .send(Ok(Event::Finish {
+            finish: Finish::ToolCalls,
+            usage: Usage::default(),
+        }))
+        .unwrap();
+    drop(stream);
+    answer(&h, "Done.");
+    h.release.notify_one();
+    run.await.unwrap().unwrap();
+    let kinds = h.kinds(session).await;
+    let success = kinds.iter().position(|k| k == "tool.success").unwrap();
+    let first_end = kinds.iter().position(|k| k == "step.ended").unwrap();
+    assert!(success < first_end, "{kinds:?}");
+}
+
+#[tokio::test]
+async fn a_provider_failure_beside_a_running_call_waits_for_it_and_records_its_result_first() {
+    let mut h = Harness::new(Setup::default()).await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let run = h.spawn_run(session);
+    stream
+        .send(Ok(Event::ToolCall {
+            id: "c1".into(),
+            name: "gate".into(),
+            input: "{}".into(),
+            provider_executed: false,
+        }))
+        .unwrap();
+    h.gate_started.recv().await.unwrap();
+    stream
+        .send(Err(provider::Error::TransportAfterSend(
+            "the connection dropped".into(),
+        )))
+        .unwrap();
+    // The step has taken the failure (it dropped the stream) while the call still runs.
+    stream.closed().await;
+    let kinds = h.kinds(session).await;
+    assert_eq!(kinds.last().unwrap(), "tool.called", "{kinds:?}");
+
+    h.release.notify_one();
+    assert_outcome!(
+        run.await.unwrap(),
+        Err(RunError::Failed(Error::StepFailed(ref e))) if e.kind == "provider.transport_after_send"
+    );
+    let kinds = h.kinds(session).await;
+    let tail: Vec<&str> = kinds
+        .iter()
+        .map(String::as_str)
+        .skip_while(|k| *k != "tool.called")
+        .collect();
+    assert_eq!(
+        tail,
+        vec![
+            "tool.called",
+            "tool.success",
+            "step.failed",
+            "execution.settled"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_local_tool_success_stores_no_result_and_is_sent_back_from_its_content() {
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("read", json!({"path": "pixel.png"}))],
+            vec![text("A pixel.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    std::fs::write(h.workspace.path().join("pixel.png"), PIXEL_PNG).unwrap();
+    let session = h.prompted("look").await;
+    h.runner.run(session).await.unwrap();
+
+    let raw = h
+        .store
+        .read(move |c| keel_core::event::log::read_raw(c, session, 0, u32::MAX))
+        .await
+        .unwrap();
+    let stored = raw
+        .iter()
+        .find(|e| e.type_name == "session.next.tool.success")
+        .unwrap();
+    let mut fields: Vec<&str> = stored
+        .data
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    fields.sort_unstable();
+    assert_eq!(fields, vec!["call_id", "content", "structured"]);
+    let log = h.log(session).await;
+    let success = log
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::ToolSuccess(s) => Some(s.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(
+        success
+            .content
+            .iter()
+            .any(|c| matches!(c, ToolContent::Media { .. }))
+    );
+    let requests = h.recording.requests.lock().unwrap().clone();
+    let Some(Turn::ToolResults { results }) = requests[1].turns.last() else {
+        panic!("{:?}", requests[1].turns)
+    };
+    assert_eq!(results[0].output, Ok(success.content));
+    assert_eq!(results[0].provider_result, None);
+}
+
+#[tokio::test]
+async fn reading_a_binary_file_fails_the_call_and_records_no_success() {
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("read", json!({"path": "blob.bin"}))],
+            vec![text("It is binary.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    std::fs::write(h.workspace.path().join("blob.bin"), [0u8, 1, 2, 3, 0, 255]).unwrap();
+    let session = h.prompted("read blob.bin").await;
+    h.runner.run(session).await.unwrap();
+    let log = h.log(session).await;
+    assert!(
+        !log.iter()
+            .any(|e| matches!(e.event, DurableEvent::ToolSuccess(_)))
+    );
+    let failed: Vec<String> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::ToolFailed(f) => Some(f.error.message.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0].contains("is a binary file"), "{failed:?}");
+}
+
+#[tokio::test]
+async fn a_queued_input_is_promoted_only_after_a_steering_continuation_ends() {
+    let h = Harness::new(Setup::default()).await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "start", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let run = h.spawn_run(session);
+    stream.send(Ok(Event::TextStart)).unwrap();
+    loop {
+        if let Live::Durable(e) = live.recv().await.unwrap()
+            && matches!(e.event, DurableEvent::TextStarted(_))
+        {
+            break;
+        }
+    }
+    // Admitted while the first step streams, the queued input first.
+    let queued = h.admit(session, "queued", Delivery::Queue).await;
+    let steer = h.admit(session, "steer", Delivery::Steer).await;
+    for event in [
+        Event::TextDelta("Working.".into()),
+        Event::TextEnd,
+        Event::Finish {
+            finish: Finish::Stop,
+            usage: Usage::default(),
+        },
+    ] {
+        stream.send(Ok(event)).unwrap();
+    }
+    drop(stream);
+    answer(&h, "Steered.");
+    answer(&h, "Queued.");
+    run.await.unwrap().unwrap();
+
+    let log = h.log(session).await;
+    let order: Vec<String> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::Prompted(p) if p.input_id == steer => Some("prompted steer".into()),
+            DurableEvent::Prompted(p) if p.input_id == queued => Some("prompted queued".into()),
+            DurableEvent::StepEnded(_) => Some("step.ended".into()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        order,
+        vec![
+            "step.ended",
+            "prompted steer",
+            "step.ended",
+            "prompted queued",
+            "step.ended"
+        ]
+    );
+    let requests = h.driven.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 3);
+    let steered = format!("{:?}", requests[1].turns);
+    assert!(
+        steered.contains("steer") && !steered.contains("queued"),
+        "{steered}"
+    );
+}
+
+#[tokio::test]
+async fn a_crash_between_a_settled_tool_step_and_the_next_recovers_the_continuation() {
+    let (mut hold, failpoint) = Hold::new();
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Continued.")],
+        ])),
+        failpoint: Some(failpoint),
+        // Limits no request comes near: the next step's start is then a commit of its
+        // own, after the boundary that ends the tool step.
+        models: HashMap::from([(
+            "scripted/test".to_owned(),
+            ModelLimits {
+                context: 1_000_000,
+                output: 1_000,
+            },
+        )]),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let first = h.run_to_gate(session).await;
+    // The commits left: the boundary with the tool step's end, then the next step's
+    // start, which is held: the process stops for good between the two.
+    hold.at(h.store.stats().0 + 1);
+    h.release.notify_one();
+    hold.reached().await;
+    let settled_step = vec!["tool.called", "tool.success", "step.ended"];
+    let kinds = h.kinds(session).await;
+    let from = kinds.iter().position(|k| k == "tool.called").unwrap();
+    assert_eq!(kinds[from..], settled_step);
+
+    h.clock.advance(LEASE + 1);
+    let other = h.another_process().await;
+    let report = Recovery::default().pass(&other).await.unwrap();
+    assert_eq!(report.recovered, vec![session]);
+    other.run(session).await.unwrap();
+
+    // The step was settled, so nothing is recovered in it and nothing runs again: the
+    // new owner goes on with the tool-driven continuation.
+    let kinds = h.kinds(session).await;
+    assert_eq!(
+        kinds[from..],
+        [
+            "tool.called",
+            "tool.success",
+            "step.ended",
+            "execution.settled",
+            "execution.started",
+            "step.started",
+            "text.started",
+            "text.ended",
+            "step.ended",
+            "execution.settled",
+        ]
+    );
+    let settled: Vec<Outcome> = h
+        .log(session)
+        .await
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::ExecutionSettled(s) => Some(s.outcome),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(settled, [Outcome::Recovered, Outcome::Succeeded]);
+    assert!(h.gate_started.try_recv().is_err(), "the tool ran again");
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    let Some(Turn::ToolResults { results }) = requests[1].turns.last() else {
+        panic!("{:?}", requests[1].turns)
+    };
+    assert_eq!(
+        results[0].output,
+        Ok(vec![ToolContent::Text {
+            text: "released".into()
+        }])
+    );
+
+    // The dead owner's held commit finds its claim gone and writes nothing.
+    hold.release();
+    assert_outcome!(first.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
+    assert_eq!(h.kinds(session).await, kinds);
 }

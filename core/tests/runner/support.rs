@@ -207,6 +207,8 @@ pub struct Harness {
     pub probe: Arc<Probe>,
     pub recording: Arc<Recording>,
     pub driven: Arc<Driven>,
+    /// The database file, for another process (see [`Harness::another_process`]).
+    db: std::path::PathBuf,
     _dir: tempfile::TempDir,
     pub workspace: tempfile::TempDir,
 }
@@ -256,8 +258,9 @@ impl Harness {
     pub async fn new(setup: Setup) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let clock = Arc::new(ManualClock::new(1_764_690_000_000));
+        let db = dir.path().join("keel.db");
         let store = Store::open(
-            DbUrl::Sqlite(dir.path().join("keel.db")),
+            DbUrl::Sqlite(db.clone()),
             Options {
                 clock: clock.clone(),
                 failpoint: setup.failpoint,
@@ -321,6 +324,7 @@ impl Harness {
             probe,
             recording,
             driven,
+            db,
             _dir: dir,
             workspace: tempfile::tempdir().unwrap(),
         }
@@ -467,6 +471,28 @@ impl Harness {
     pub fn other_runner(&self) -> Runner {
         Runner::new(
             self.store.clone(),
+            Settings {
+                owner: OwnerId::new(),
+                ..self.settings.clone()
+            },
+        )
+    }
+
+    /// Another process on the same database file, with its own store and writer: it
+    /// writes while this harness's writer is held ([`Hold`]), as a second node does while
+    /// the first is paused or dead. Same tools, providers and clock; a new owner.
+    pub async fn another_process(&self) -> Runner {
+        let store = Store::open(
+            DbUrl::Sqlite(self.db.clone()),
+            Options {
+                clock: self.clock.clone(),
+                ..Options::default()
+            },
+        )
+        .await
+        .unwrap();
+        Runner::new(
+            store,
             Settings {
                 owner: OwnerId::new(),
                 ..self.settings.clone()
