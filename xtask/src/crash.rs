@@ -24,6 +24,13 @@
 //! (`KEEL_TEST_POSTGRES_URL`, or the local one), and with `--nodes K` it runs K nodes on
 //! it: clients talk to any of them, each kill takes a random node down and restarts it,
 //! and the survivors take the dead node's sessions over.
+//!
+//! With `--permissions`, `bash` and `write` ask for permission, and clients reply to the
+//! requests they find in the logs (`once`, `always` or `reject`, through any node) while
+//! the kills go on; a reply whose answer a kill swallowed is sent again. The run then
+//! also checks that every acknowledged reply is in the log, that no request was answered
+//! twice, that no call ran without an allowing reply or after a rejection, and that no
+//! session is left waiting for a person.
 
 mod check;
 
@@ -37,15 +44,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
-use keel_client::schema::api::{CreateSession, LogItem, PromptRequest};
-use keel_client::schema::event::Envelope;
-use keel_client::schema::id::{InputId, SessionId};
-use keel_client::schema::types::{Delivery, Part};
+use keel_client::schema::api::{CreateSession, LogItem, PermissionReply, PromptRequest};
+use keel_client::schema::event::{DurableEvent, Envelope};
+use keel_client::schema::id::{InputId, RequestId, SessionId};
+use keel_client::schema::types::{Decision, Delivery, Part};
 use keel_client::{Client, LogOptions};
 use keel_tests::PostgresDb;
 
 const USAGE: &str = "usage: cargo xtask crash [--iterations N] [--seed S] [--sessions M] \
-    [--postgres] [--nodes K]";
+    [--postgres] [--nodes K] [--permissions]";
 
 /// The PostgreSQL server `--postgres` uses unless `KEEL_TEST_POSTGRES_URL` names another.
 const POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -63,6 +70,8 @@ struct Options {
     /// The PostgreSQL server to create the run's database on; SQLite otherwise.
     postgres: Option<String>,
     nodes: usize,
+    /// Tools ask for permission, and clients reply around the kills.
+    permissions: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -75,12 +84,17 @@ fn parse(args: &[String]) -> Result<Options> {
         sessions: 6,
         postgres: None,
         nodes: 1,
+        permissions: false,
     };
     let mut args = args.iter();
     while let Some(flag) = args.next() {
         if flag == "--postgres" {
             let url = std::env::var("KEEL_TEST_POSTGRES_URL").unwrap_or_else(|_| POSTGRES.into());
             options.postgres = Some(url);
+            continue;
+        }
+        if flag == "--permissions" {
+            options.permissions = true;
             continue;
         }
         let value = args
@@ -107,7 +121,7 @@ fn parse(args: &[String]) -> Result<Options> {
 pub fn run(root: &Path, args: &[String]) -> Result<()> {
     let options = parse(args)?;
     println!(
-        "crash: {} iterations, {} sessions, {} node(s) on {}, seed {}",
+        "crash: {} iterations, {} sessions, {} node(s) on {}{}, seed {}",
         options.iterations,
         options.sessions,
         options.nodes,
@@ -115,6 +129,11 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
             "PostgreSQL"
         } else {
             "SQLite"
+        },
+        if options.permissions {
+            ", tools asking for permission"
+        } else {
+            ""
         },
         options.seed
     );
@@ -299,6 +318,28 @@ struct Sent {
 
 type Ledger = Arc<Mutex<Vec<Sent>>>;
 
+/// A reply to a permission request a client sent, and how Keel answered it.
+#[derive(Debug, Clone)]
+struct Replied {
+    session: SessionId,
+    request: RequestId,
+    decision: Decision,
+    answer: Answer,
+}
+
+/// How Keel answered a reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// No answer (the server was killed, or not listening yet).
+    Lost,
+    /// 2xx: the reply is durable.
+    Accepted,
+    /// 404 or 409: already answered, or settled with its step; nothing changed.
+    Refused,
+}
+
+type Replies = Arc<Mutex<Vec<Replied>>>;
+
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -319,10 +360,11 @@ async fn backlog(client: &Client, session: SessionId) -> u32 {
 async fn act(
     clients: Vec<Client>,
     sessions: Vec<SessionId>,
-    ledger: Ledger,
+    ledgers: (Ledger, Option<Replies>),
     mut rng: Rng,
     stop: Arc<AtomicBool>,
 ) {
+    let (ledger, replies) = ledgers;
     while !stop.load(Ordering::SeqCst) {
         let session = sessions[rng.below(sessions.len() as u64) as usize];
         // Any node admits and interrupts; the claim decides which one runs the session.
@@ -362,6 +404,21 @@ async fn act(
                 // Errors (the server is being killed) are part of the game.
                 drop(client.interrupt(session).await);
             }
+            7 | 8 => {
+                if let Some(replies) = &replies {
+                    let decision = match rng.below(10) {
+                        0..=5 => Decision::Once,
+                        6 => Decision::Always,
+                        _ => Decision::Reject,
+                    };
+                    if let Ok(pending) = pending_requests(client, session).await
+                        && let Some(&request) =
+                            pending.get(rng.below(pending.len() as u64) as usize)
+                    {
+                        reply(client, replies, session, request, decision).await;
+                    }
+                }
+            }
             _ => {}
         }
         tokio::time::sleep(Duration::from_millis(5 + rng.below(60))).await;
@@ -371,11 +428,14 @@ async fn act(
 async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Result<Vec<String>> {
     let side_file = dir.join("executions.log");
     std::fs::write(dir.join("script.json"), script(&side_file).to_string())?;
-    std::fs::write(
-        dir.join("keel.toml"),
-        "default_model = \"crash/scripted\"\n[provider.crash]\nkind = \"scripted\"\n\
-         script = \"script.json\"\n",
-    )?;
+    let mut config = "default_model = \"crash/scripted\"\n[provider.crash]\nkind = \"scripted\"\n\
+         script = \"script.json\"\n"
+        .to_owned();
+    if options.permissions {
+        config.push_str("[agent.build.permissions]\nbash = \"ask\"\nwrite = \"ask\"\n");
+    }
+    std::fs::write(dir.join("keel.toml"), config)?;
+    let replies: Option<Replies> = options.permissions.then(Replies::default);
     let mut rng = Rng(options.seed);
     let numbered = |n: usize| (options.nodes > 1).then_some(n);
     let mut nodes = (0..options.nodes)
@@ -409,7 +469,7 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
                 tokio::spawn(act(
                     clients.clone(),
                     sessions.clone(),
-                    ledger.clone(),
+                    (ledger.clone(), replies.clone()),
                     Rng(rng.next()),
                     stop.clone(),
                 ))
@@ -436,7 +496,13 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
     if !retry_unacknowledged(&keel.client, &ledger).await {
         bail!("prompts could not be sent to the restarted server");
     }
-    let settled = wait_until_idle(&keel.client, &sessions).await?;
+    let settling = Instant::now();
+    let settled = wait_until_idle(&keel.client, &sessions, replies.as_ref()).await?;
+    println!(
+        "sessions {} after {:.1?}",
+        if settled { "idle" } else { "still busy" },
+        settling.elapsed()
+    );
     let mut violations = Vec::new();
     if !settled {
         violations.push(format!(
@@ -450,9 +516,13 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
         *runs.entry(call).or_default() += 1;
     }
     let mut called = HashSet::new();
+    let replies = replies.map(|r| lock(&r).clone());
     for &session in &sessions {
         let log = read_log(&keel.client, session).await?;
         check::check_session(session, &log, &ledger, &mut called, &mut violations);
+        if let Some(replies) = &replies {
+            check::check_permissions(session, &log, replies, &runs, &mut violations);
+        }
         let status = keel.client.session_status(session).await?;
         if let Some(execution) = status.execution {
             violations.push(format!("{session}: claim {} left behind", execution.id));
@@ -472,8 +542,15 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
     for node in nodes {
         node.kill()?;
     }
+    let replied = replies.as_ref().map_or_else(String::new, |replies| {
+        let accepted = replies
+            .iter()
+            .filter(|r| r.answer == Answer::Accepted)
+            .count();
+        format!(", {} replies ({accepted} accepted)", replies.len())
+    });
     println!(
-        "{} kills, {} sessions, {} violations ({} prompts, {} bash runs)",
+        "{} kills, {} sessions, {} violations ({} prompts, {} bash runs{replied})",
         options.iterations,
         sessions.len(),
         violations.len(),
@@ -504,14 +581,35 @@ async fn retry_unacknowledged(client: &Client, ledger: &Ledger) -> bool {
     all
 }
 
-/// Polls until no session is busy or has pending input; false on timeout.
-async fn wait_until_idle(client: &Client, sessions: &[SessionId]) -> Result<bool> {
+/// Polls until no session is busy, has pending input or waits for a reply; false on
+/// timeout. With `replies`, a person answers every request still open (`once`), and
+/// replies whose answer was lost are sent again.
+async fn wait_until_idle(
+    client: &Client,
+    sessions: &[SessionId],
+    replies: Option<&Replies>,
+) -> Result<bool> {
     let started = Instant::now();
     loop {
         let mut idle = true;
         for &session in sessions {
             let status = client.session_status(session).await?;
-            idle &= !status.busy && status.pending_inputs == 0;
+            idle &= !status.busy && status.pending_inputs == 0 && status.awaiting_replies == 0;
+            if let Some(replies) = replies {
+                let lost: Vec<Replied> = lock(replies)
+                    .iter()
+                    .filter(|r| r.session == session && r.answer == Answer::Lost)
+                    .cloned()
+                    .collect();
+                for r in lost {
+                    reply(client, replies, session, r.request, r.decision).await;
+                }
+                if status.awaiting_replies > 0 {
+                    for request in pending_requests(client, session).await? {
+                        reply(client, replies, session, request, Decision::Once).await;
+                    }
+                }
+            }
         }
         if idle {
             return Ok(true);
@@ -536,4 +634,59 @@ async fn read_log(client: &Client, session: SessionId) -> Result<Vec<Envelope>> 
         }
     }
     Ok(events)
+}
+
+/// The permission requests of `session` without a reply in its log.
+async fn pending_requests(client: &Client, session: SessionId) -> Result<Vec<RequestId>> {
+    let log = read_log(client, session).await?;
+    let replied: HashSet<RequestId> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::PermissionReplied(r) => Some(r.request_id),
+            _ => None,
+        })
+        .collect();
+    Ok(log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::PermissionRequested(r) if !replied.contains(&r.request_id) => {
+                Some(r.request_id)
+            }
+            _ => None,
+        })
+        .collect())
+}
+
+/// Replies to `request` and records how Keel answered. A lost answer is recorded as the
+/// same reply again, so retrying it replaces the record.
+async fn reply(
+    client: &Client,
+    replies: &Replies,
+    session: SessionId,
+    request: RequestId,
+    decision: Decision,
+) {
+    let answer = match client
+        .reply_permission(session, request, &PermissionReply { decision })
+        .await
+    {
+        Ok(_) => Answer::Accepted,
+        Err(keel_client::Error::Api {
+            status: 404 | 409, ..
+        }) => Answer::Refused,
+        Err(_) => Answer::Lost,
+    };
+    let mut replies = lock(replies);
+    match replies
+        .iter_mut()
+        .find(|r| r.request == request && r.decision == decision && r.answer == Answer::Lost)
+    {
+        Some(lost) => lost.answer = answer,
+        None => replies.push(Replied {
+            session,
+            request,
+            decision,
+            answer,
+        }),
+    }
 }

@@ -2,14 +2,16 @@
 //! admitted input promoted or cancelled once, every step and execution ended once, every
 //! tool call resolved at most once (and only left open by its step's interruption). It
 //! also collects the `bash` calls each log recorded, which the campaign compares with the
-//! calls that really ran.
+//! calls that really ran, and (`--permissions`) checks the permission requests against
+//! the replies clients sent.
 
 use std::collections::{HashMap, HashSet};
 
 use keel_client::schema::event::{DurableEvent, Envelope};
-use keel_client::schema::id::{InputId, SessionId};
+use keel_client::schema::id::{InputId, RequestId, SessionId};
+use keel_client::schema::types::Decision;
 
-use super::Sent;
+use super::{Answer, Replied, Sent};
 
 /// Checks one session's log against the invariants, adding what is wrong to `violations`
 /// and the bash calls it recorded to `called`.
@@ -128,6 +130,99 @@ pub(super) fn check_session(
     for (execution, n) in &executions {
         if *n != 1 {
             fail(format!("execution {execution} settled {n} times"));
+        }
+    }
+}
+
+/// Checks one session's permission requests against the replies clients sent
+/// (`--permissions`): every acknowledged reply is in the log as sent, no request has two
+/// replies, no call ran or succeeded after a rejection, and every `bash` call that ran
+/// was allowed (by its own reply, or by an earlier `always`).
+pub(super) fn check_permissions(
+    session: SessionId,
+    log: &[Envelope],
+    replies: &[Replied],
+    runs: &HashMap<&str, usize>,
+    violations: &mut Vec<String>,
+) {
+    let mut fail = |what: String| violations.push(format!("{session}: {what}"));
+    // Request → (call, tool); call → request; request → its replies, in order.
+    let mut requests: HashMap<RequestId, (String, String)> = HashMap::new();
+    let mut request_of: HashMap<String, RequestId> = HashMap::new();
+    let mut decisions: HashMap<RequestId, Vec<Decision>> = HashMap::new();
+    // The seq of the first `always` for a bash request: later bash calls need no request.
+    let mut bash_always_at: Option<u64> = None;
+    let mut bash_called_at: HashMap<String, u64> = HashMap::new();
+    let mut succeeded = HashSet::new();
+    for envelope in log {
+        match &envelope.event {
+            DurableEvent::PermissionRequested(r) => {
+                requests.insert(r.request_id, (r.call_id.to_string(), r.tool.clone()));
+                request_of.insert(r.call_id.to_string(), r.request_id);
+            }
+            DurableEvent::PermissionReplied(r) => {
+                decisions.entry(r.request_id).or_default().push(r.decision);
+                let bash = requests
+                    .get(&r.request_id)
+                    .is_some_and(|(_, t)| t == "bash");
+                if bash && r.decision == Decision::Always && bash_always_at.is_none() {
+                    bash_always_at = Some(envelope.seq);
+                }
+            }
+            DurableEvent::ToolCalled(c) if c.name == "bash" => {
+                bash_called_at.insert(c.call_id.to_string(), envelope.seq);
+            }
+            DurableEvent::ToolSuccess(r) => {
+                succeeded.insert(r.call_id.to_string());
+            }
+            _ => {}
+        }
+    }
+    for (request, logged) in &decisions {
+        if logged.len() > 1 {
+            fail(format!(
+                "request {request} was answered {} times",
+                logged.len()
+            ));
+        }
+        if logged.first() == Some(&Decision::Reject)
+            && let Some((call, _)) = requests.get(request)
+            && succeeded.contains(call)
+        {
+            fail(format!(
+                "call {call} succeeded although its request was rejected"
+            ));
+        }
+    }
+    for reply in replies
+        .iter()
+        .filter(|r| r.session == session && r.answer == Answer::Accepted)
+    {
+        match decisions.get(&reply.request).and_then(|d| d.first()) {
+            Some(logged) if *logged == reply.decision => {}
+            Some(logged) => fail(format!(
+                "request {} was acknowledged as {:?} but logged as {logged:?}",
+                reply.request, reply.decision
+            )),
+            None => fail(format!(
+                "the acknowledged reply to request {} is not in the log",
+                reply.request
+            )),
+        }
+    }
+    for (call, called_at) in &bash_called_at {
+        if !runs.contains_key(call.as_str()) {
+            continue;
+        }
+        let allowed = match request_of.get(call) {
+            Some(request) => matches!(
+                decisions.get(request).and_then(|d| d.first()),
+                Some(Decision::Once | Decision::Always)
+            ),
+            None => bash_always_at.is_some_and(|at| at < *called_at),
+        };
+        if !allowed {
+            fail(format!("bash call {call} ran without being allowed"));
         }
     }
 }
