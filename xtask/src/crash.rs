@@ -622,10 +622,22 @@ async fn wait_until_idle(
 }
 
 async fn read_log(client: &Client, session: SessionId) -> Result<Vec<Envelope>> {
-    let options = LogOptions {
-        follow: false,
-        ..LogOptions::default()
-    };
+    read_log_with(
+        client,
+        session,
+        LogOptions {
+            follow: false,
+            ..LogOptions::default()
+        },
+    )
+    .await
+}
+
+async fn read_log_with(
+    client: &Client,
+    session: SessionId,
+    options: LogOptions,
+) -> Result<Vec<Envelope>> {
     let mut log = client.session_log_with(session, options);
     let mut events = Vec::new();
     while let Some(item) = log.next().await {
@@ -636,9 +648,15 @@ async fn read_log(client: &Client, session: SessionId) -> Result<Vec<Envelope>> 
     Ok(events)
 }
 
-/// The permission requests of `session` without a reply in its log.
+/// The permission requests of `session` without a reply in its log. Gives up at once
+/// when the server is down (it is killed all the time), rather than reconnecting.
 async fn pending_requests(client: &Client, session: SessionId) -> Result<Vec<RequestId>> {
-    let log = read_log(client, session).await?;
+    let options = LogOptions {
+        follow: false,
+        max_reconnects: 0,
+        ..LogOptions::default()
+    };
+    let log = read_log_with(client, session, options).await?;
     let replied: HashSet<RequestId> = log
         .iter()
         .filter_map(|e| match &e.event {
