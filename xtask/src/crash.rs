@@ -60,6 +60,9 @@ const POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The lease the server runs with: short, so a killed process's claims run out quickly.
 const LEASE_MS: &str = "1000";
 
+/// The tools that ask for permission with `--permissions`.
+const ASKING: &[&str] = &["bash", "write"];
+
 /// How long the sessions may take to become idle after the last restart.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -137,8 +140,12 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
         },
         options.seed
     );
-    let binary = build_keel(root)?;
+    let built = build_keel(root)?;
     let dir = tempfile::tempdir().context("creating a temporary directory")?;
+    // The run restarts its own copy: a build in the meantime replaces cargo's.
+    let binary = dir.path().join("keel");
+    std::fs::copy(&built, &binary)
+        .with_context(|| format!("copying {} into the run's directory", built.display()))?;
     let database = options
         .postgres
         .as_deref()
@@ -206,6 +213,9 @@ fn build_keel(root: &Path) -> Result<PathBuf> {
         .context("cargo did not report the keel executable")
 }
 
+/// How many times the script's round of turns repeats.
+const ROUNDS: usize = 40;
+
 /// The model's turns, in the order a session reaches them (the scripted model plays the
 /// response whose index is the number of assistant turns so far; the last repeats).
 fn script(side_file: &Path) -> serde_json::Value {
@@ -222,7 +232,7 @@ fn script(side_file: &Path) -> serde_json::Value {
         "write",
         serde_json::json!({ "path": "out.txt", "content": "written by the model\n" }),
     );
-    let turns = vec![
+    let round = vec![
         vec![text("Reading the notes."), read.clone()],
         vec![text("Recording a run."), delay(30), bash.clone()],
         vec![text("Writing a file."), write.clone()],
@@ -234,6 +244,8 @@ fn script(side_file: &Path) -> serde_json::Value {
         vec![bash],
         vec![text("Idle again.")],
     ];
+    // The round, again and again, so sessions keep calling tools however long the run.
+    let turns: Vec<_> = std::iter::repeat_n(round, ROUNDS).flatten().collect();
     serde_json::json!({
         "responses": turns
             .into_iter()
@@ -432,7 +444,10 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
          script = \"script.json\"\n"
         .to_owned();
     if options.permissions {
-        config.push_str("[agent.build.permissions]\nbash = \"ask\"\nwrite = \"ask\"\n");
+        config.push_str("[agent.build.permissions]\n");
+        for tool in ASKING {
+            config.push_str(&format!("{tool} = \"ask\"\n"));
+        }
     }
     std::fs::write(dir.join("keel.toml"), config)?;
     let replies: Option<Replies> = options.permissions.then(Replies::default);
@@ -521,7 +536,7 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
         let log = read_log(&keel.client, session).await?;
         check::check_session(session, &log, &ledger, &mut called, &mut violations);
         if let Some(replies) = &replies {
-            check::check_permissions(session, &log, replies, &runs, &mut violations);
+            check::check_permissions(session, &log, replies, ASKING, &runs, &mut violations);
         }
         let status = keel.client.session_status(session).await?;
         if let Some(execution) = status.execution {
@@ -648,8 +663,10 @@ async fn read_log_with(
     Ok(events)
 }
 
-/// The permission requests of `session` without a reply in its log. Gives up at once
-/// when the server is down (it is killed all the time), rather than reconnecting.
+/// The permission requests of `session` that wait for a reply, as its log tells: no
+/// reply yet, and their step not cut short (an interrupt or a recovery settles its
+/// requests). Gives up at once when the server is down (it is killed all the time),
+/// rather than reconnecting.
 async fn pending_requests(client: &Client, session: SessionId) -> Result<Vec<RequestId>> {
     let options = LogOptions {
         follow: false,
@@ -657,17 +674,38 @@ async fn pending_requests(client: &Client, session: SessionId) -> Result<Vec<Req
         ..LogOptions::default()
     };
     let log = read_log_with(client, session, options).await?;
-    let replied: HashSet<RequestId> = log
-        .iter()
-        .filter_map(|e| match &e.event {
-            DurableEvent::PermissionReplied(r) => Some(r.request_id),
-            _ => None,
-        })
-        .collect();
+    let mut replied = HashSet::new();
+    let mut step_of = HashMap::new();
+    let mut cut_short = HashSet::new();
+    for envelope in &log {
+        match &envelope.event {
+            DurableEvent::PermissionReplied(r) => {
+                replied.insert(r.request_id);
+            }
+            DurableEvent::ToolCalled(c) => {
+                step_of.insert(c.call_id, c.assistant_message_id);
+            }
+            DurableEvent::StepInterrupted(s) => {
+                cut_short.insert(s.assistant_message_id);
+            }
+            DurableEvent::StepRecovered(s) => {
+                cut_short.insert(s.assistant_message_id);
+            }
+            DurableEvent::StepFailed(s) => {
+                cut_short.insert(s.assistant_message_id);
+            }
+            _ => {}
+        }
+    }
     Ok(log
         .iter()
         .filter_map(|e| match &e.event {
-            DurableEvent::PermissionRequested(r) if !replied.contains(&r.request_id) => {
+            DurableEvent::PermissionRequested(r)
+                if !replied.contains(&r.request_id)
+                    && !step_of
+                        .get(&r.call_id)
+                        .is_some_and(|step| cut_short.contains(step)) =>
+            {
                 Some(r.request_id)
             }
             _ => None,

@@ -136,24 +136,28 @@ pub(super) fn check_session(
 
 /// Checks one session's permission requests against the replies clients sent
 /// (`--permissions`): every acknowledged reply is in the log as sent, no request has two
-/// replies, no call ran or succeeded after a rejection, and every `bash` call that ran
-/// was allowed (by its own reply, or by an earlier `always`).
+/// replies, no call succeeded after a rejection, and every call of a tool that asks
+/// (`asking`) that succeeded, or (`bash`) ran, was allowed: by its own reply, or by an
+/// `always` for its tool (given before its success; for a run seen only in the side
+/// file, anywhere in the log, since a sibling's `always` may come after its call).
 pub(super) fn check_permissions(
     session: SessionId,
     log: &[Envelope],
     replies: &[Replied],
+    asking: &[&str],
     runs: &HashMap<&str, usize>,
     violations: &mut Vec<String>,
 ) {
     let mut fail = |what: String| violations.push(format!("{session}: {what}"));
-    // Request → (call, tool); call → request; request → its replies, in order.
+    // Request → (call, tool); call → its request; request → its replies, in order.
     let mut requests: HashMap<RequestId, (String, String)> = HashMap::new();
     let mut request_of: HashMap<String, RequestId> = HashMap::new();
     let mut decisions: HashMap<RequestId, Vec<Decision>> = HashMap::new();
-    // The seq of the first `always` for a bash request: later bash calls need no request.
-    let mut bash_always_at: Option<u64> = None;
-    let mut bash_called_at: HashMap<String, u64> = HashMap::new();
-    let mut succeeded = HashSet::new();
+    // Per tool, the seq of its first `always`.
+    let mut always_at: HashMap<String, u64> = HashMap::new();
+    // Calls of asking tools: call → tool, and the seq of their success.
+    let mut asked_calls: HashMap<String, String> = HashMap::new();
+    let mut succeeded_at: HashMap<String, u64> = HashMap::new();
     for envelope in log {
         match &envelope.event {
             DurableEvent::PermissionRequested(r) => {
@@ -162,18 +166,17 @@ pub(super) fn check_permissions(
             }
             DurableEvent::PermissionReplied(r) => {
                 decisions.entry(r.request_id).or_default().push(r.decision);
-                let bash = requests
-                    .get(&r.request_id)
-                    .is_some_and(|(_, t)| t == "bash");
-                if bash && r.decision == Decision::Always && bash_always_at.is_none() {
-                    bash_always_at = Some(envelope.seq);
+                if r.decision == Decision::Always
+                    && let Some((_, tool)) = requests.get(&r.request_id)
+                {
+                    always_at.entry(tool.clone()).or_insert(envelope.seq);
                 }
             }
-            DurableEvent::ToolCalled(c) if c.name == "bash" => {
-                bash_called_at.insert(c.call_id.to_string(), envelope.seq);
+            DurableEvent::ToolCalled(c) if asking.contains(&c.name.as_str()) => {
+                asked_calls.insert(c.call_id.to_string(), c.name.clone());
             }
             DurableEvent::ToolSuccess(r) => {
-                succeeded.insert(r.call_id.to_string());
+                succeeded_at.insert(r.call_id.to_string(), envelope.seq);
             }
             _ => {}
         }
@@ -187,7 +190,7 @@ pub(super) fn check_permissions(
         }
         if logged.first() == Some(&Decision::Reject)
             && let Some((call, _)) = requests.get(request)
-            && succeeded.contains(call)
+            && succeeded_at.contains_key(call)
         {
             fail(format!(
                 "call {call} succeeded although its request was rejected"
@@ -210,19 +213,24 @@ pub(super) fn check_permissions(
             )),
         }
     }
-    for (call, called_at) in &bash_called_at {
-        if !runs.contains_key(call.as_str()) {
-            continue;
-        }
-        let allowed = match request_of.get(call) {
-            Some(request) => matches!(
+    let allowed_by_reply = |call: &str| {
+        request_of.get(call).is_some_and(|request| {
+            matches!(
                 decisions.get(request).and_then(|d| d.first()),
                 Some(Decision::Once | Decision::Always)
-            ),
-            None => bash_always_at.is_some_and(|at| at < *called_at),
-        };
-        if !allowed {
-            fail(format!("bash call {call} ran without being allowed"));
+            )
+        })
+    };
+    for (call, tool) in &asked_calls {
+        let always = always_at.get(tool).copied();
+        if let Some(&at) = succeeded_at.get(call) {
+            if !allowed_by_reply(call) && always.is_none_or(|always| always >= at) {
+                fail(format!(
+                    "{tool} call {call} succeeded without being allowed"
+                ));
+            }
+        } else if runs.contains_key(call.as_str()) && !allowed_by_reply(call) && always.is_none() {
+            fail(format!("{tool} call {call} ran without being allowed"));
         }
     }
 }
