@@ -17,6 +17,7 @@ use diesel::RunQueryDsl;
 use keel_core::event::log;
 use keel_core::execution;
 use keel_core::inbox::{self, Admission, Boundary};
+use keel_core::instructions::Instructions;
 use keel_core::provider::Provider;
 use keel_core::provider::scripted::{Item, Response, Script, Scripted};
 use keel_core::recovery::Recovery;
@@ -77,6 +78,7 @@ impl Bench {
                 limits: tool::Limits::default(),
                 retry: RetryPolicy::default(),
                 models: HashMap::new(),
+                instructions: Instructions::none(),
             },
         );
         let workspace = tempfile::tempdir().unwrap();

@@ -33,7 +33,7 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel::sql_types::Text;
 use keel_schema::api;
-use keel_schema::id::{OwnerId, SessionId};
+use keel_schema::id::{ExecutionId, OwnerId, SessionId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
@@ -220,6 +220,10 @@ pub struct Route {
     pub to: OwnerId,
     pub session: SessionId,
     pub kind: RouteKind,
+    /// For an interrupt: the execution it stops, so a late or repeated message never
+    /// stops the session's next one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution: Option<ExecutionId>,
 }
 
 /// A notification for the bus thread to send.
@@ -289,17 +293,19 @@ impl Forwarder for Bus {
             to: owner,
             session,
             kind: RouteKind::Wake,
+            execution: None,
         };
         if let Err(e) = self.forward(&wake) {
             tracing::error!(error = %e, "a wake could not be routed");
         }
     }
 
-    fn forward_interrupt(&self, owner: OwnerId, session: SessionId) {
+    fn forward_interrupt(&self, owner: OwnerId, session: SessionId, execution: ExecutionId) {
         let interrupt = Route {
             to: owner,
             session,
             kind: RouteKind::Interrupt,
+            execution: Some(execution),
         };
         if let Err(e) = self.forward(&interrupt) {
             tracing::error!(error = %e, "an interrupt could not be routed");
@@ -477,7 +483,9 @@ impl Receiver {
                 RouteKind::Wake => runner.wake(route.session, Scope::Input),
                 // The sender recorded the interrupt on the claim before sending it.
                 RouteKind::Interrupt => {
-                    runner.stop_cancelled(route.session);
+                    if let Some(execution) = route.execution {
+                        runner.stop_cancelled(route.session, execution);
+                    }
                 }
             }
         });

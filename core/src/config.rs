@@ -24,6 +24,10 @@
 //! max_steps = 50
 //! [agent.build.permissions]
 //! bash = "ask"                   # allow (default), ask, deny
+//! [instructions]                 # project instructions (crate::instructions)
+//! files = ["AGENTS.md", "CLAUDE.md"]   # per directory, the first that exists
+//! global = "team/AGENTS.md"     # optional, relative to this file; "" for none; by
+//!                                # default AGENTS.md in Keel's config directory
 //! ```
 //!
 //! With no file, Keel serves the built-in scripted demo model as `demo/scripted`.
@@ -35,6 +39,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::instructions::Instructions;
 use crate::provider::anthropic::Anthropic;
 use crate::provider::openai::OpenAi;
 use crate::provider::scripted::Scripted;
@@ -151,6 +156,18 @@ pub struct AgentConfig {
     pub permissions: HashMap<String, String>,
 }
 
+/// `[instructions]`: which project instruction files every agent is given.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InstructionsConfig {
+    /// The names looked for in each directory, first found read (`AGENTS.md`, then
+    /// `CLAUDE.md`); `[]` reads no project file.
+    pub files: Option<Vec<String>>,
+    /// The global file, relative to the config file; `""` for none. By default
+    /// `AGENTS.md` in Keel's config directory.
+    pub global: Option<PathBuf>,
+}
+
 /// `keel.toml`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -162,6 +179,8 @@ pub struct Config {
     pub model: HashMap<String, ModelConfig>,
     #[serde(default)]
     pub agent: HashMap<String, AgentConfig>,
+    #[serde(default)]
+    pub instructions: InstructionsConfig,
     /// Where relative paths in the file are resolved from.
     #[serde(skip)]
     pub base: PathBuf,
@@ -189,6 +208,7 @@ impl Default for Config {
             )]),
             model: HashMap::new(),
             agent: HashMap::new(),
+            instructions: InstructionsConfig::default(),
             base: PathBuf::from("."),
         }
     }
@@ -314,6 +334,19 @@ impl Config {
             .collect()
     }
 
+    /// Which project instruction files are read.
+    pub fn instructions(&self) -> Instructions {
+        let defaults = Instructions::default();
+        Instructions {
+            files: self.instructions.files.clone().unwrap_or(defaults.files),
+            global: match &self.instructions.global {
+                None => defaults.global,
+                Some(path) if path.as_os_str().is_empty() => None,
+                Some(path) => Some(self.base.join(path)),
+            },
+        }
+    }
+
     /// The agents, with `build` always present.
     pub fn agents(&self) -> Result<HashMap<String, Agent>, Error> {
         let mut agents = HashMap::from([("build".to_owned(), Agent::default())]);
@@ -401,6 +434,45 @@ mod tests {
             panic!("a timeout on a scripted provider is refused");
         };
         assert!(message.contains("scripted"), "{message}");
+    }
+
+    #[test]
+    fn instruction_files_and_the_global_file_come_from_the_file_or_the_defaults() {
+        let mut config = Config::parse(
+            r#"
+            default_model = "demo/scripted"
+            [provider.demo]
+            kind = "scripted"
+            [instructions]
+            files = ["KEEL.md"]
+            global = "team/AGENTS.md"
+            "#,
+        )
+        .unwrap();
+        config.base = PathBuf::from("/etc/keel");
+        assert_eq!(
+            config.instructions(),
+            Instructions {
+                files: vec!["KEEL.md".into()],
+                global: Some(PathBuf::from("/etc/keel/team/AGENTS.md")),
+            }
+        );
+        let none = Config::parse(
+            "default_model = \"demo/scripted\"\n[provider.demo]\nkind = \"scripted\"\n\
+             [instructions]\nfiles = []\nglobal = \"\"\n",
+        )
+        .unwrap();
+        assert!(none.instructions().is_empty());
+        assert_eq!(
+            Config::load(None).unwrap().instructions(),
+            Instructions::default()
+        );
+        let unknown = Config::parse(
+            "default_model = \"demo/scripted\"\n[provider.demo]\nkind = \"scripted\"\n\
+             [instructions]\nfile = \"AGENTS.md\"\n",
+        )
+        .unwrap_err();
+        assert!(unknown.contains("file"), "{unknown}");
     }
 
     #[test]

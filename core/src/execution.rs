@@ -313,29 +313,34 @@ pub fn live_sessions(
 }
 
 /// Records an interrupt of `session`'s execution, whichever process runs it: the claim's
-/// phase becomes `cancelling`. Returns the claim's owner, or `None` when there is no
-/// claim to stop (or it is quarantined). Once committed, the interrupt cannot be lost:
+/// phase becomes `cancelling`. Returns the claim, or `None` when there is no claim to
+/// stop (or it is quarantined). Once committed, the interrupt cannot be lost:
 /// the owner stops the execution when the interrupt reaches it or, at the latest, at its
-/// next lease renewal, and recovery settles a cancelling claim as interrupted, never
+/// next lease renewal, and recovery settles a cancelling claim (`step.recovered`), never
 /// continuing it. Not fenced: it is not a write of the execution's own.
 pub fn request_cancel(
     connection: &mut Conn,
     session: SessionId,
-) -> Result<Option<OwnerId>, store::Error> {
-    let owner: Option<String> = diesel::update(
+) -> Result<Option<Claim>, store::Error> {
+    let claim: Option<(String, String)> = diesel::update(
         session_execution::table
             .filter(session_execution::session_id.eq(session.to_string()))
             .filter(session_execution::recovery_error.is_null()),
     )
     .set(session_execution::phase.eq(text_of(&Phase::Cancelling)))
-    .returning(session_execution::owner_id)
+    .returning((session_execution::id, session_execution::owner_id))
     .get_result(connection)
     .optional()?;
-    owner
-        .map(|owner| {
-            owner
-                .parse()
-                .map_err(|e| store::Error::Corrupt(format!("claim owner {owner}: {e}")))
+    let corrupt = |what: &str, e: &dyn std::fmt::Display| {
+        store::Error::Corrupt(format!("claim of session {session}: {what}: {e}"))
+    };
+    claim
+        .map(|(id, owner)| {
+            Ok(Claim {
+                id: id.parse().map_err(|e| corrupt("id", &e))?,
+                session_id: session,
+                owner_id: owner.parse().map_err(|e| corrupt("owner", &e))?,
+            })
         })
         .transpose()
 }

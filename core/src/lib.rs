@@ -7,6 +7,7 @@
 //! - [`store`]: the database (SQLite or PostgreSQL), migrations, group-committed writes.
 //! - [`event`]: the event log, the projections written from it and the views read from them.
 //! - [`epoch`]: context epochs: the system prompt a session's requests start with.
+//! - [`instructions`]: a project's instruction files (`AGENTS.md`), added to the prompt.
 //! - [`inbox`]: admission of inputs and their promotion into the transcript.
 //! - [`execution`]: claims, leases and the fence.
 //! - [`coordinator`]: at most one drain per session; wakes, joins, interrupts.
@@ -27,6 +28,7 @@ pub mod epoch;
 pub mod event;
 pub mod execution;
 pub mod inbox;
+pub mod instructions;
 pub mod node;
 pub mod provider;
 pub mod recovery;

@@ -156,6 +156,7 @@ impl Node {
             limits: tool::Limits::default(),
             retry: RetryPolicy::default(),
             models: options.config.models(),
+            instructions: options.config.instructions(),
         };
         let store = Store::open(options.db.clone(), options.store.clone()).await?;
         let runner = Runner::new(store.clone(), settings);

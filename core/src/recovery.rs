@@ -47,11 +47,14 @@ use crate::store::schema::{
 use crate::store::{self, Conn, Store};
 
 /// The claim exactly as it was selected, still expired at `now`: what recovery may touch.
+/// The phase is part of it: an interrupt recorded on an expired claim after the selection
+/// (`execution::request_cancel`) must not be recovered as the running work it was.
 macro_rules! selected {
     ($candidate:expr, $now:expr) => {
         session_execution::table
             .filter(session_execution::id.eq(&$candidate.id))
             .filter(session_execution::owner_id.eq(&$candidate.owner_id))
+            .filter(session_execution::phase.eq(&$candidate.phase))
             .filter(session_execution::expires_at.eq($candidate.expires_at))
             .filter(session_execution::expires_at.le($now))
             .filter(session_execution::recovery_error.is_null())

@@ -140,6 +140,22 @@ async fn a_claim_settled_after_selection_is_not_recovered() {
 }
 
 #[tokio::test]
+async fn a_claim_interrupted_after_selection_is_left_to_a_later_pass_never_continued() {
+    let (moved, claims, last) = after(|c| {
+        let session: String = session_execution::table
+            .select(session_execution::session_id)
+            .first(c)?;
+        crate::execution::request_cancel(c, session.parse().unwrap())?;
+        Ok(())
+    })
+    .await;
+    assert!(moved, "the selection saw it running; it is cancelling now");
+    assert_eq!(claims.len(), 1);
+    assert_eq!(claims[0].1, None);
+    assert_eq!(last, 1, "no continuation was admitted");
+}
+
+#[tokio::test]
 async fn a_claim_replaced_after_selection_is_left_to_a_later_pass() {
     let replacement = ExecutionId::new();
     let (moved, claims, last) = after(move |c| {

@@ -198,9 +198,11 @@ impl Engine {
             boundary_seq,
             usage: usage.unwrap_or_default(),
         });
+        // The prompt a session without an epoch yet starts its first one with.
+        let project = self.project_instructions(Some(&info.directory)).await;
         let agent_system = self
             .agent(&info.agent)
-            .map(|a| a.system)
+            .map(|a| crate::instructions::system_prompt(&a.system, &project.unwrap_or_default()))
             .unwrap_or_default();
         let (claim, phase) = (held.claim, phase_after(open_step));
         let (system, envelopes) = self

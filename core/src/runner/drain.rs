@@ -10,10 +10,10 @@
 use keel_schema::api::{AssistantPart, Message, StepEnd};
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{MessageId, SessionId};
-use keel_schema::types::{Finish, Outcome, Usage};
+use keel_schema::types::{Finish, InterruptReason, Outcome, Phase, Usage};
 use tokio_util::sync::CancellationToken;
 
-use super::engine::lock;
+use super::engine::{interrupt_and_release, lock};
 use super::fence::Held;
 use super::step::Parked;
 use super::translate::Launch;
@@ -24,7 +24,7 @@ use crate::event::view::{self, Transcript};
 use crate::inbox::{self, Boundary, Promotion};
 use crate::request::{self, Kind};
 use crate::store::{self, Conn};
-use crate::{epoch, execution};
+use crate::{epoch, execution, instructions};
 
 /// What a boundary's transaction decided.
 enum AtBoundary {
@@ -158,6 +158,15 @@ impl Engine {
         let mut transcript = Transcript::default();
         // The end of the step before this boundary, committed with the boundary's work.
         let mut ended: Option<step::Ended> = None;
+        // The session's directory, whose instruction files are read before each boundary.
+        let directory = if self.settings.instructions.is_empty() {
+            None
+        } else {
+            self.store
+                .read(move |c| view::session_info(c, session))
+                .await?
+                .map(|info| info.directory)
+        };
         loop {
             if cancel.is_cancelled() {
                 if let Some(ended) = ended.take() {
@@ -175,6 +184,7 @@ impl Engine {
             let look_for_waits = first || ending.as_ref().is_some_and(|e| e.awaiting);
             let (settings, claim, force) = (self.settings.clone(), held.claim, request.force);
             let counted = step_number;
+            let project = self.project_instructions(directory.as_deref()).await;
             let mut carried = Some(std::mem::take(&mut transcript));
             let boundary_work = self
                 .fenced(&held, move |c, now| {
@@ -188,6 +198,21 @@ impl Engine {
                     if look_for_waits {
                         let open = request::open(c, session)?;
                         if !open.is_empty() {
+                            // An interrupt another process recorded while the step waited
+                            // ends it here rather than being released with the claim.
+                            let cancelled = execution::get(c, session)?
+                                .is_some_and(|row| row.phase == Phase::Cancelling);
+                            if cancelled && let Some(step) = request::waiting_step(c, session)? {
+                                written.extend(interrupt_and_release(
+                                    c,
+                                    now,
+                                    settings.lease_ms,
+                                    &claim,
+                                    Some(step),
+                                    InterruptReason::User,
+                                )?);
+                                return Ok(AtBoundary::HandedBack(written));
+                            }
                             if !any_actionable(c, session, &open)? {
                                 written.push(execution::release(
                                     c,
@@ -226,8 +251,17 @@ impl Engine {
                     let agent = info.as_ref().and_then(|info| settings.agent(&info.agent));
                     let system = match (agent, next) {
                         (Some(agent), Some(_)) => {
-                            let (system, envelopes) =
-                                epoch::establish(c, now, session, &agent.system)?;
+                            let wanted = match &project {
+                                Some(project) => {
+                                    instructions::system_prompt(&agent.system, project)
+                                }
+                                // Unreadable for now: the prompt in effect stays.
+                                None => epoch::current(c, session)?.map_or_else(
+                                    || agent.system.clone(),
+                                    |epoch| epoch.effective_system,
+                                ),
+                            };
+                            let (system, envelopes) = epoch::establish(c, now, session, &wanted)?;
                             if !envelopes.is_empty() {
                                 written.extend(envelopes);
                                 transcript.refresh(c, session)?;

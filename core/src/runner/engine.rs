@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, payload};
 use keel_schema::id::{MessageId, SessionId};
-use keel_schema::types::{ErrorInfo, InterruptReason, ModelRef, Outcome};
+use keel_schema::types::{ErrorInfo, InterruptReason, ModelRef, Outcome, Phase};
 use tokio_util::sync::CancellationToken;
 
 use super::fence::{Held, Ownership};
@@ -56,8 +56,10 @@ impl Engine {
     }
 
     /// Why an interrupt of this process's drains happens: the user's, or the shutdown's.
-    pub(super) fn interrupt_reason(&self) -> InterruptReason {
-        if self.stopping() {
+    /// Why `held`'s execution is being stopped: a user's interrupt wins over a shutdown
+    /// in progress, so what the user stopped is never continued after the restart.
+    pub(super) fn interrupt_reason(&self, held: &Held) -> InterruptReason {
+        if self.stopping() && !held.ownership.interrupted.load(Ordering::SeqCst) {
             InterruptReason::Shutdown
         } else {
             InterruptReason::User
@@ -76,6 +78,23 @@ impl Engine {
         self.settings
             .agent(name)
             .ok_or_else(|| Error::Config(format!("no agent named `{name}` is configured")))
+    }
+
+    /// The project instructions for a session in `directory` (none without one), read off
+    /// the async threads: what [`crate::instructions::system_prompt`] adds to the agent's
+    /// prompt. `None` when a file could not be read: the prompt in effect stays.
+    pub(super) async fn project_instructions(&self, directory: Option<&str>) -> Option<String> {
+        let Some(directory) = directory else {
+            return Some(String::new());
+        };
+        let (instructions, directory) = (
+            self.settings.instructions.clone(),
+            std::path::PathBuf::from(directory),
+        );
+        tokio::task::spawn_blocking(move || instructions.read(&directory))
+            .await
+            .ok()
+            .flatten()
     }
 
     /// The session's directory, agent and model.
@@ -306,13 +325,18 @@ impl Work for Engine {
             let claim = held.claim;
             let lease = self.settings.lease_ms;
             let clock = self.store.clock().clone();
-            let reason = self.interrupt_reason();
+            let reason = self.interrupt_reason(&held);
             let written = self
                 .store
                 .write(move |c| {
                     let now = clock.now_ms();
                     execution::check(c, now, lease, &claim)?;
                     let row = execution::get(c, session)?;
+                    // An interrupt another process recorded on the claim is a user's too.
+                    let reason = match &row {
+                        Some(row) if row.phase == Phase::Cancelling => InterruptReason::User,
+                        _ => reason,
+                    };
                     let open = match row.and_then(|r| r.assistant_message_id) {
                         Some(assistant) => view::messages(c, session)?.into_iter().any(|m| {
                             matches!(m, Message::Assistant { id, end: None, .. } if id == assistant)

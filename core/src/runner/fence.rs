@@ -27,6 +27,9 @@ use crate::store::Conn;
 pub(super) struct Ownership {
     pub(super) lost: AtomicBool,
     pub(super) deadline: AtomicI64,
+    /// A user interrupted the execution (here or through another node): it stops as the
+    /// user's, even during a planned shutdown, and is not continued after a restart.
+    pub(super) interrupted: AtomicBool,
 }
 
 impl Ownership {
@@ -34,6 +37,7 @@ impl Ownership {
         Self {
             lost: AtomicBool::new(false),
             deadline: AtomicI64::new(deadline),
+            interrupted: AtomicBool::new(false),
         }
     }
 

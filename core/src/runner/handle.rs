@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use keel_schema::event::Envelope;
-use keel_schema::id::{OwnerId, RequestId, SessionId};
+use keel_schema::id::{ExecutionId, OwnerId, RequestId, SessionId};
 use keel_schema::types::{InterruptReason, Phase};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
@@ -21,10 +21,10 @@ use crate::store::{self, Store};
 pub trait Forwarder: Send + Sync {
     /// `owner` holds `session`'s claim; tell it there is work.
     fn forward_wake(&self, owner: OwnerId, session: SessionId);
-    /// `owner` holds `session`'s claim, and an interrupt of it is recorded
-    /// ([`execution::request_cancel`]); tell it to stop now rather than at its next
-    /// renewal.
-    fn forward_interrupt(&self, owner: OwnerId, session: SessionId);
+    /// `owner` holds `session`'s claim for `execution`, and an interrupt of it is
+    /// recorded ([`execution::request_cancel`]); tell it to stop now rather than at its
+    /// next renewal.
+    fn forward_interrupt(&self, owner: OwnerId, session: SessionId, execution: ExecutionId);
 }
 
 /// The handle the service uses to run sessions.
@@ -134,6 +134,7 @@ impl Runner {
         }
         let engine = self.engine();
         if let Some(held) = engine.held(session) {
+            held.ownership.interrupted.store(true, Ordering::SeqCst);
             let claim = held.claim;
             let marked = engine
                 .fenced(&held, move |c, _| {
@@ -254,41 +255,53 @@ impl Runner {
                     .deadline
                     .fetch_max(now + lease, Ordering::SeqCst);
                 if *phase == Phase::Cancelling {
-                    cancelled.push(*session);
+                    cancelled.push((*session, held.claim.id));
                 }
             }
         }
         // An interrupt recorded by another node whose message never arrived.
-        for session in cancelled {
-            self.stop_cancelled(session);
+        for (session, execution) in cancelled {
+            self.stop_cancelled(session, execution);
         }
         Ok(renewed)
     }
 
-    /// Stops this process's execution of `session`, whose interrupt is already recorded
-    /// on its claim. False when it does not run here or is already stopping.
-    pub fn stop_cancelled(&self, session: SessionId) -> bool {
-        self.is_busy(session) && self.coordinator.interrupt(&session)
+    /// Stops this process's `execution` of `session`, whose interrupt is already recorded
+    /// on its claim. False when that execution does not run here (it ended, and another
+    /// may have started since) or is already stopping.
+    pub fn stop_cancelled(&self, session: SessionId, execution: ExecutionId) -> bool {
+        let Some(held) = self
+            .engine()
+            .held(session)
+            .filter(|held| held.claim.id == execution)
+        else {
+            return false;
+        };
+        held.ownership.interrupted.store(true, Ordering::SeqCst);
+        self.coordinator.interrupt(&session)
     }
 
     /// Interrupts `session`'s execution where this process does not run it: records the
     /// interrupt on the claim ([`execution::request_cancel`]), then tells the owner.
     /// Returns whether there was an execution to stop, once the interrupt is durable.
     pub async fn interrupt_elsewhere(&self, session: SessionId) -> Result<bool, Error> {
-        let owner = self
+        let claim = self
             .store()
             .write(move |c| execution::request_cancel(c, session))
             .await?;
-        let Some(owner) = owner else {
+        let Some(claim) = claim else {
             return Ok(false);
         };
-        tracing::info!(%session, %owner, "interrupt recorded for the execution's owner");
+        let owner = claim.owner_id;
+        tracing::info!(%session, %owner, execution = %claim.id, "interrupt recorded for the execution's owner");
         if owner == self.owner() {
-            // A claim this process no longer runs (its release failed): recovery settles
-            // it as interrupted.
-            self.stop_cancelled(session);
-        } else if let Some(forwarder) = self.engine().forwarder.get() {
-            forwarder.forward_interrupt(owner, session);
+            // Ours but not stopped by `interrupt`: a claim this process no longer runs
+            // (its release failed), which recovery settles without continuing it; or
+            // one it is already stopping, where nothing new happened.
+            return Ok(!self.is_busy(session));
+        }
+        if let Some(forwarder) = self.engine().forwarder.get() {
+            forwarder.forward_interrupt(owner, session, claim.id);
         }
         Ok(true)
     }

@@ -8,6 +8,7 @@ use keel_schema::id::OwnerId;
 
 use super::{ModelLimits, RetryPolicy};
 use crate::event::view;
+use crate::instructions::Instructions;
 use crate::provider::Provider;
 use crate::tool::{self, Registry};
 
@@ -58,6 +59,8 @@ pub struct Settings {
     /// limit of each request and the threshold of automatic compaction. A model without
     /// limits is never compacted automatically.
     pub models: HashMap<String, ModelLimits>,
+    /// The project instruction files added to every agent's system prompt.
+    pub instructions: Instructions,
 }
 
 impl Settings {

@@ -21,12 +21,12 @@ use keel_schema::api::{Message, StepEnd};
 use keel_schema::event::Envelope;
 use keel_schema::id::InputId;
 use keel_schema::types::{
-    Delivery, ErrorInfo, Finish, InputKind, InputSource, InterruptReason, Part,
+    Delivery, ErrorInfo, Finish, InputKind, InputSource, InterruptReason, Part, Phase,
 };
 
 use super::Error;
 use crate::event::{log, view};
-use crate::execution::Claim;
+use crate::execution::{self, Claim};
 use crate::inbox::{self, Admission};
 use crate::store::Conn;
 
@@ -44,13 +44,19 @@ pub(super) fn shutdown_error() -> ErrorInfo {
 }
 
 /// Admits the continuation of `claim`'s session when its work goes on (see the module
-/// documentation), in the caller's transaction. Returns what was written.
+/// documentation), in the caller's transaction. Returns what was written. Work a user
+/// interrupted (the claim is `cancelling`, which a shutdown never sets) does not go on.
 pub(super) fn continue_after_restart(
     connection: &mut Conn,
     now: i64,
     claim: &Claim,
 ) -> Result<Vec<Envelope>, Error> {
     let session = claim.session_id;
+    let cancelling = execution::get(connection, session)?
+        .is_some_and(|row| row.claim.id == claim.id && row.phase == Phase::Cancelling);
+    if cancelling {
+        return Ok(Vec::new());
+    }
     let messages = view::messages(connection, session)?;
     if !goes_on(&messages) {
         return Ok(Vec::new());

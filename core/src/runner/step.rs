@@ -690,7 +690,7 @@ impl<'a> Step<'a> {
             Over::Interrupted => {
                 closing.push(DurableEvent::StepInterrupted(payload::StepInterrupted {
                     assistant_message_id: assistant,
-                    reason: self.engine.interrupt_reason(),
+                    reason: self.engine.interrupt_reason(self.held),
                 }));
                 self.engine.commit(self.held, closing).await?;
                 return Err(Error::Interrupted);

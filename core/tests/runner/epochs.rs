@@ -4,6 +4,7 @@
 //! epoch from the prompt in effect, and a blocked one loses no update.
 
 use keel_core::epoch::{self, Epoch};
+use keel_core::instructions::Instructions;
 use keel_core::provider::{self, Turn};
 use keel_core::runner::{Agent, Runner};
 use keel_schema::event::DurableEvent;
@@ -180,4 +181,50 @@ async fn system_updates_made_while_the_rebaseline_is_blocked_are_preserved() {
     let after = request(&h, 6);
     assert_eq!(after.system, third);
     assert!(updates(&after).is_empty(), "{:?}", after.turns);
+}
+
+#[tokio::test]
+async fn project_instructions_join_the_epochs_prompt_and_a_changed_file_is_appended_as_an_update() {
+    let h = Harness::new(Setup {
+        instructions: Some(Instructions {
+            global: None,
+            ..Instructions::default()
+        }),
+        ..Setup::default()
+    })
+    .await;
+    let agents_md = h.workspace.path().join("AGENTS.md");
+    std::fs::write(&agents_md, "Run the tests before you answer.\n").unwrap();
+    let session = h.session_on("driven").await;
+    driven_prompt(&h, session, "Fix it.").await;
+    answer(&h, "Fixed.");
+    h.runner.run(session).await.unwrap();
+    let agent = Agent::default().system;
+    let first = format!(
+        "{agent}\n\nInstructions from {}:\nRun the tests before you answer.",
+        agents_md.display()
+    );
+    assert_eq!(request(&h, 0).system, first);
+    assert_eq!(current(&h, session).await.system, first);
+
+    // The file changes during the run: the epoch's prompt stays, and the new text
+    // reaches the model once, as an update where it happened.
+    std::fs::write(&agents_md, "Never touch the tests.\n").unwrap();
+    driven_prompt(&h, session, "Again.").await;
+    answer(&h, "Done.");
+    h.runner.run(session).await.unwrap();
+    let next = request(&h, 1);
+    assert_eq!(next.system, first, "history is never rewritten");
+    let turns = updates(&next);
+    assert_eq!(turns.len(), 1, "{:?}", next.turns);
+    assert!(turns[0].contains("Never touch the tests."));
+    assert!(!turns[0].contains("Run the tests before you answer."));
+
+    // Unchanged since: nothing more is written.
+    driven_prompt(&h, session, "Once more.").await;
+    answer(&h, "Done again.");
+    h.runner.run(session).await.unwrap();
+    let log = h.log(session).await;
+    assert_eq!(count(&log, "context.system_updated"), 1);
+    assert_eq!(count(&log, "context.epoch_started"), 1);
 }

@@ -74,7 +74,7 @@ async fn an_abandoned_execution_is_recovered_once_and_continued_by_another_owner
     let report = Recovery::default().pass(&other).await.unwrap();
     assert_eq!(report.recovered, vec![session]);
     assert!(report.quarantined.is_empty() && report.exhausted.is_empty());
-    other.run(session).await.unwrap();
+    h.until_idle(&other, session).await;
 
     let log = h.log(session).await;
     let kinds = h.kinds(session).await;
@@ -265,7 +265,7 @@ async fn max_steps_counts_the_execution_s_steps_across_a_recovery() {
     let other = h.other_runner();
     let report = Recovery::default().pass(&other).await.unwrap();
     assert_eq!(report.recovered, vec![session]);
-    other.run(session).await.unwrap();
+    h.until_idle(&other, session).await;
     let steps: Vec<u32> = h
         .log(session)
         .await
@@ -581,7 +581,7 @@ async fn the_continuation_is_promoted_alone_before_input_that_waited_behind_the_
         Recovery::default().pass(&other).await.unwrap().recovered,
         vec![session]
     );
-    other.run(session).await.unwrap();
+    h.until_idle(&other, session).await;
 
     let log = h.log(session).await;
     let promoted: Vec<(usize, InputId)> = log
@@ -632,7 +632,7 @@ async fn a_claim_that_died_before_its_first_step_is_released_without_a_continuat
     let other = h.other_runner();
     let report = Recovery::default().pass(&other).await.unwrap();
     assert_eq!(report.recovered, vec![session]);
-    other.run(session).await.unwrap();
+    h.until_idle(&other, session).await;
 
     let log = h.log(session).await;
     assert!(!log.iter().any(|e| matches!(
@@ -693,7 +693,7 @@ async fn an_execution_abandoned_while_cancelling_is_settled_and_not_continued() 
         Recovery::default().pass(&other).await.unwrap().recovered,
         vec![session]
     );
-    other.run(session).await.unwrap();
+    h.until_idle(&other, session).await;
     let kinds = h.kinds(session).await;
     let from = kinds.iter().position(|k| k == "step.recovered").unwrap();
     assert_eq!(

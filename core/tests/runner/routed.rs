@@ -1,15 +1,16 @@
 //! Interrupts of an execution another process runs: recorded on its claim before they
 //! are acknowledged, so neither a lost message nor the owner's death can undo them.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_core::coordinator::RunError;
 use keel_core::execution;
 use keel_core::recovery::Recovery;
-use keel_core::runner::{Error, Forwarder, Runner};
+use keel_core::runner::{Agent, Error, Forwarder, Policy, Runner};
 use keel_schema::event::DurableEvent;
-use keel_schema::id::{OwnerId, SessionId};
+use keel_schema::id::{ExecutionId, OwnerId, SessionId};
 use keel_schema::types::{InterruptReason, Phase};
 use serde_json::json;
 
@@ -95,9 +96,9 @@ struct Direct {
 impl Forwarder for Direct {
     fn forward_wake(&self, _: OwnerId, _: SessionId) {}
 
-    fn forward_interrupt(&self, owner: OwnerId, session: SessionId) {
+    fn forward_interrupt(&self, owner: OwnerId, session: SessionId, execution: ExecutionId) {
         self.sent.lock().unwrap().push((owner, session));
-        self.owner.stop_cancelled(session);
+        self.owner.stop_cancelled(session, execution);
     }
 }
 
@@ -144,7 +145,7 @@ async fn an_interrupt_recorded_before_the_owner_dies_is_settled_by_recovery_and_
             .recovered,
         vec![session]
     );
-    elsewhere.run(session).await.unwrap();
+    h.until_idle(&elsewhere, session).await;
     let kinds = h.kinds(session).await;
     let from = kinds.iter().position(|k| k == "step.recovered").unwrap();
     assert_eq!(
@@ -208,4 +209,72 @@ async fn an_interrupt_whose_caller_goes_away_during_its_write_still_stops_the_ex
         Err(RunError::Failed(Error::Interrupted))
     );
     interrupted_by_the_user(&h, session).await;
+}
+
+#[tokio::test]
+async fn a_late_interrupt_for_an_earlier_execution_never_stops_the_one_running_now() {
+    let mut h = Harness::new(gated()).await;
+    let session = h.prompted("go").await;
+    let run = h.run_to_gate(session).await;
+    // A message about an execution that ended (delivered late, or twice) is ignored.
+    assert!(!h.runner.stop_cancelled(session, ExecutionId::new()));
+    tokio::task::yield_now().await;
+    assert!(h.runner.is_busy(session) && !run.is_finished());
+    // The one about this execution stops it.
+    let running = h
+        .store
+        .read(move |c| execution::get(c, session))
+        .await
+        .unwrap()
+        .unwrap()
+        .claim
+        .id;
+    assert!(h.runner.stop_cancelled(session, running));
+    assert_outcome!(
+        stopped(run).await,
+        Err(RunError::Failed(Error::Interrupted))
+    );
+}
+
+#[tokio::test]
+async fn an_interrupt_recorded_as_the_step_starts_waiting_ends_the_step_instead_of_leaving_it_waiting()
+ {
+    let (mut hold, failpoint) = Hold::new();
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("probe", json!({}))],
+            vec![text("Must not run.")],
+        ])),
+        agent: Some(Agent {
+            permissions: HashMap::from([("probe".to_owned(), Policy::Ask)]),
+            ..Agent::default()
+        }),
+        failpoint: Some(failpoint),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    // The commits of the run: the claim, the boundary that starts the step, the burst
+    // with `tool.called` and `permission.requested` (held here), then the boundary that
+    // would hand the waiting step back.
+    hold.at(h.store.stats().0 + 2);
+    let run = h.spawn_run(session);
+    hold.reached().await;
+    // Another node records an interrupt now: its write is queued before the boundary's.
+    let elsewhere = h.other_runner();
+    let mut interrupt = Box::pin(elsewhere.interrupt_elsewhere(session));
+    assert!(futures::poll!(&mut interrupt).is_pending());
+    hold.release();
+    assert!(interrupt.await.unwrap(), "acknowledged: there was a claim");
+    stopped(run).await.unwrap();
+
+    // The boundary found the interrupt: the step ends as the user's, nothing waits.
+    interrupted_by_the_user(&h, session).await;
+    let status = h
+        .store
+        .read(move |c| keel_core::request::open(c, session))
+        .await
+        .unwrap();
+    assert!(status.is_empty(), "no request is left waiting: {status:?}");
+    assert_eq!(h.probe.runs.load(std::sync::atomic::Ordering::SeqCst), 0);
 }

@@ -120,3 +120,39 @@ async fn a_shutdown_between_executions_leaves_no_continuation() {
     );
     assert_eq!(continuation(&h.log(session).await), None);
 }
+
+#[tokio::test]
+async fn a_users_interrupt_during_the_grace_stops_the_step_as_the_users_and_is_not_continued() {
+    let mut h = Harness::new(gated()).await;
+    let session = h.prompted("go").await;
+    let run = h.run_to_gate(session).await;
+    let mut stopping = Box::pin(
+        h.runner
+            .shut_down(Duration::from_secs(60), Duration::from_secs(30)),
+    );
+    assert!(futures::poll!(&mut stopping).is_pending());
+    // The user stops the step while the shutdown waits for it.
+    assert!(h.runner.interrupt(session).await);
+    assert_eq!(stopping.await, 0);
+    assert!(matches!(
+        run.await.unwrap(),
+        Err(keel_core::coordinator::RunError::Failed(Error::Interrupted))
+    ));
+    let log = h.log(session).await;
+    let reasons: Vec<InterruptReason> = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::StepInterrupted(i) => Some(i.reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasons, [InterruptReason::User]);
+    assert_eq!(
+        continuation(&log),
+        None,
+        "what the user stopped stays stopped"
+    );
+    assert!(log.iter().any(|e| matches!(&e.event,
+        DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Interrupted && s.error.is_none())));
+    assert!(!h.claim_exists(session).await);
+}

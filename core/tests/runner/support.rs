@@ -8,6 +8,7 @@ use diesel::RunQueryDsl;
 use keel_core::clock::ManualClock;
 use keel_core::coordinator::RunError;
 use keel_core::inbox::{self, Admission};
+use keel_core::instructions::Instructions;
 use keel_core::provider::scripted::{Item, Response, Script, Scripted};
 use keel_core::provider::{self, Event, EventStream, Provider};
 use keel_core::runner::{self, Agent, Runner, Settings};
@@ -250,6 +251,8 @@ pub struct Setup {
     pub retry: Option<runner::RetryPolicy>,
     /// Model limits by `provider/id` (automatic compaction).
     pub models: HashMap<String, runner::ModelLimits>,
+    /// Project instructions; none by default, so no file of the machine is read.
+    pub instructions: Option<Instructions>,
     /// More tools, besides the gate, the probe and the built-ins.
     pub tools: Vec<Arc<dyn Tool>>,
 }
@@ -312,6 +315,7 @@ impl Harness {
             limits: tool::Limits::default(),
             retry: setup.retry.unwrap_or_default(),
             models: setup.models,
+            instructions: setup.instructions.unwrap_or_else(Instructions::none),
         };
         let runner = Runner::new(store.clone(), settings.clone());
         Self {
@@ -498,6 +502,19 @@ impl Harness {
                 ..self.settings.clone()
             },
         )
+    }
+
+    /// Waits until `runner` runs nothing for `session`: the execution a recovery pass's
+    /// wake started (registered before the pass returns) has settled. An explicit run
+    /// here instead would race that wake, and an explicit run resumes what a wake does not.
+    pub async fn until_idle(&self, runner: &Runner, session: SessionId) {
+        tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            while runner.is_busy(session) {
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .expect("the session never became idle");
     }
 
     pub async fn claim_exists(&self, session: SessionId) -> bool {
