@@ -255,8 +255,10 @@ impl Node {
             started_at: SystemClock.now_ms(),
             lease_ms,
             bus,
+            auth_failures: server::AuthFailures::default(),
         });
-        let app = server::router(state, &options.limits);
+        let app = server::router(state, &options.limits)
+            .into_make_service_with_connect_info::<std::net::SocketAddr>();
         let stopped = stop.clone();
         let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
             stopped.cancelled().await;

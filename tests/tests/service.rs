@@ -305,6 +305,27 @@ async fn a_token_guards_everything_but_health() {
     assert!(matches!(err, Error::Api { status: 401, .. }), "{err}");
     let wrong = Client::new(&server.base_url).unwrap().with_token("nope");
     assert!(wrong.list_sessions(&Default::default()).await.is_err());
+    // A refusal says how to authenticate, and the failures are logged with the address.
+    let refused = reqwest::Client::new()
+        .get(format!("{}/api/session", server.base_url))
+        .bearer_auth("s3cre")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+    assert_eq!(
+        refused.headers()["www-authenticate"],
+        "Bearer realm=\"keel\""
+    );
+    // The first failure from the address and the second (counts that are powers of two).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !(server.logged("peer=127.0.0.1 failures=1") && server.logged("failures=2")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the failures were not logged"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let right = Client::new(&server.base_url).unwrap().with_token("s3cret");
     assert!(
         right

@@ -57,6 +57,8 @@ fn main() -> ExitCode {
                     .unwrap_or_else(|_| "info".into()),
             )
             .with_writer(std::io::stderr)
+            // Colours only for a person at a terminal, never into a log file.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init();
     }
     let runtime = match tokio::runtime::Runtime::new() {
