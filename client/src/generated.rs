@@ -14,6 +14,12 @@ impl Client {
             .await
     }
 
+    /// `GET /api/ready`: Whether the server can do its work: the database answers a query, the writer commits, and on PostgreSQL the connection to the other nodes is up, each within 2 s. A 503 names the check that failed. Never requires a token.
+    pub async fn ready(&self) -> Result<Ready, Error> {
+        self.call_json(reqwest::Method::GET, "/api/ready".to_owned(), None::<&()>, None::<&()>)
+            .await
+    }
+
     /// `POST /api/session`: Create a session. A directory that does not exist is a 400.
     pub async fn create_session(&self, body: &CreateSession) -> Result<Session, Error> {
         self.call_json(reqwest::Method::POST, "/api/session".to_owned(), None::<&()>, Some(body))

@@ -241,6 +241,13 @@ pub const ROUTES: &[Route] = &[
     Route::get("/api/health", "health", json(200, ty!(Health)))
         .summary("Whether the server is up, and its version. Never requires a token.")
         .public(),
+    Route::get("/api/ready", "ready", json(200, ty!(Ready)))
+        .summary(
+            "Whether the server can do its work: the database answers a query, the writer \
+             commits, and on PostgreSQL the connection to the other nodes is up, each \
+             within 2 s. A 503 names the check that failed. Never requires a token.",
+        )
+        .public(),
     Route::post("/api/session", "create_session", json(201, ty!(Session)))
         .summary("Create a session. A directory that does not exist is a 400.")
         .body(ty!(CreateSession)),

@@ -27,7 +27,8 @@
 //! which diesel does not expose for waiting, and a 20 ms poll costs one non-blocking read.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use diesel::prelude::*;
@@ -237,6 +238,8 @@ struct Outgoing {
 #[derive(Debug, Clone)]
 pub struct Bus {
     outgoing: mpsc::Sender<Outgoing>,
+    /// Whether the bus thread is listening now.
+    connected: Arc<AtomicBool>,
 }
 
 impl Bus {
@@ -249,9 +252,14 @@ impl Bus {
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
         let (outgoing, queue) = mpsc::channel();
-        let bus = Self { outgoing };
+        let connected = Arc::new(AtomicBool::new(false));
+        let bus = Self {
+            outgoing,
+            connected: connected.clone(),
+        };
         let handle = tokio::runtime::Handle::current();
         let receiver = Receiver {
+            connected,
             owner: runner.owner(),
             runner: runner.clone(),
             store,
@@ -278,6 +286,11 @@ impl Bus {
         }
         self.notify(ROUTE_CHANNEL, payload);
         Ok(())
+    }
+
+    /// Whether the node is listening for the other nodes now (`GET /api/ready`).
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::SeqCst)
     }
 
     /// Hands a notification to the bus thread.
@@ -371,6 +384,7 @@ fn send(
 
 /// The bus thread's state.
 struct Receiver {
+    connected: Arc<AtomicBool>,
     owner: OwnerId,
     runner: Runner,
     store: Store,
@@ -385,7 +399,10 @@ impl Receiver {
             match self.connect(url) {
                 Ok(mut connection) => {
                     tracing::info!("listening for the other nodes");
-                    if let Err(e) = self.serve(&mut connection, queue, &mut unsent, shutdown) {
+                    self.connected.store(true, Ordering::SeqCst);
+                    let served = self.serve(&mut connection, queue, &mut unsent, shutdown);
+                    self.connected.store(false, Ordering::SeqCst);
+                    if let Err(e) = served {
                         tracing::warn!(error = %e, "the bus connection failed; reconnecting");
                     }
                 }

@@ -84,6 +84,7 @@ impl Default for Limits {
 pub fn router(state: AppState, limits: &Limits) -> Router {
     Router::new()
         .route("/api/health", get(routes::health))
+        .route("/api/ready", get(routes::ready))
         .route(
             "/api/session",
             post(routes::create_session).get(routes::list_sessions),
@@ -118,7 +119,7 @@ pub fn router(state: AppState, limits: &Limits) -> Router {
         .with_state(state)
 }
 
-/// Requires the bearer token, when one is configured, on everything but health. The
+/// Requires the bearer token, when one is configured, on everything but the probes. The
 /// token is compared in constant time (as digests, so not even its length shows); a
 /// refusal says how to authenticate (`WWW-Authenticate: Bearer`), and failures are logged
 /// with the peer's address: the first, then each time the count doubles.
@@ -126,7 +127,7 @@ async fn authorize(State(state): State<AppState>, request: Request, next: Next) 
     let Some(token) = &state.token else {
         return next.run(request).await;
     };
-    if request.uri().path() == "/api/health" {
+    if matches!(request.uri().path(), "/api/health" | "/api/ready") {
         return next.run(request).await;
     }
     let presented = request

@@ -93,6 +93,22 @@ pub enum Error {
     Corrupt(String),
 }
 
+impl Error {
+    /// Whether the database could not be reached or the write not made, rather than the
+    /// request being wrong: the same request may succeed later (HTTP 503).
+    pub fn is_unavailable(&self) -> bool {
+        use diesel::result::{DatabaseErrorKind, Error as Db};
+        match self {
+            Self::Connect { .. } | Self::Pool(_) | Self::CommitFailed(_) | Self::WriterGone => true,
+            Self::Database(Db::DatabaseError(kind, _)) => matches!(
+                kind,
+                DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand
+            ),
+            _ => false,
+        }
+    }
+}
+
 /// How to open a store.
 #[derive(Debug, Clone)]
 pub struct Options {

@@ -18,6 +18,14 @@ pub struct Health {
     pub version: String,
 }
 
+/// `GET /api/ready`: every check passed (a failed one is a 503 naming it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Ready {
+    pub ok: bool,
+    /// What was checked: `database`, `writer`, and on PostgreSQL `notifications`.
+    pub checks: Vec<String>,
+}
+
 /// `POST /api/session`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

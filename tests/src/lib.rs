@@ -285,6 +285,22 @@ impl PostgresDb {
     }
 }
 
+impl PostgresDb {
+    /// Makes the database refuse new connections (`false`) or take them again (`true`),
+    /// as a database that went away and came back would.
+    pub fn allow_connections(&self, allow: bool) {
+        use diesel::{Connection, RunQueryDsl};
+        let mut admin = diesel::PgConnection::establish(&self.base)
+            .unwrap_or_else(|e| panic!("connecting to {}: {e}", self.base));
+        diesel::sql_query(format!(
+            "ALTER DATABASE {} WITH ALLOW_CONNECTIONS {allow}",
+            self.name
+        ))
+        .execute(&mut admin)
+        .unwrap_or_else(|e| panic!("changing the connections to {}: {e}", self.name));
+    }
+}
+
 impl Drop for PostgresDb {
     fn drop(&mut self) {
         use diesel::{Connection, RunQueryDsl};

@@ -6,14 +6,14 @@
 //! a permission reply sent through a node that does not run the session, and a node
 //! that loses every database connection mid-run going on without losing anything.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use keel_client::schema::api::{LogItem, PermissionReply, PromptRequest};
+use keel_client::schema::api::{ErrorType, LogItem, PermissionReply, PromptRequest};
 use keel_client::schema::event::{DurableEvent, Envelope};
 use keel_client::schema::id::{OwnerId, SessionId};
 use keel_client::schema::types::{Decision, Delivery, Outcome};
-use keel_client::{Client, LogOptions, LogStream};
+use keel_client::{Client, Error, LogOptions, LogStream};
 use keel_tests::{PostgresDb, Server};
 use serde_json::json;
 
@@ -394,6 +394,51 @@ async fn a_permission_answered_through_another_node_resumes_the_waiting_step() {
         );
     }
     drop(second);
+}
+
+#[tokio::test]
+async fn readiness_fails_with_the_reason_while_the_database_is_away_and_recovers_by_itself() {
+    let Some(db) = PostgresDb::fresh("readiness_fails_while_the_database_is_away") else {
+        return;
+    };
+    let server = node(&db, &script());
+    let client = Client::new(&server.base_url).unwrap();
+    // The node is listening for the others once its bus has connected.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ready = loop {
+        match client.ready().await {
+            Ok(ready) => break ready,
+            Err(e) => assert!(Instant::now() < deadline, "never ready: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(ready.checks, ["database", "writer", "notifications"]);
+
+    // The database goes away: readiness answers 503 and says what failed.
+    db.allow_connections(false);
+    db.terminate_connections();
+    match client.ready().await {
+        Err(Error::Api {
+            status: 503,
+            kind: ErrorType::Unavailable,
+            message,
+        }) => assert!(
+            message.contains("database") || message.contains("writer") || message.contains("nodes"),
+            "{message}"
+        ),
+        other => panic!("expected 503 while the database is away, got {other:?}"),
+    }
+
+    // It comes back: the node recovers by itself.
+    db.allow_connections(true);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match client.ready().await {
+            Ok(ready) if ready.checks.len() == 3 => break,
+            other => assert!(Instant::now() < deadline, "never ready again: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[test]

@@ -337,6 +337,15 @@ async fn a_token_guards_everything_but_health() {
     );
 }
 
+#[tokio::test]
+async fn readiness_checks_the_database_and_the_writer_and_needs_no_token() {
+    let server = Server::start(&["--token", "s3cret"]);
+    let anonymous = Client::new(&server.base_url).unwrap();
+    let ready = anonymous.ready().await.unwrap();
+    assert!(ready.ok);
+    assert_eq!(ready.checks, ["database", "writer"]);
+}
+
 #[test]
 fn serving_a_non_loopback_address_without_a_token_is_refused() {
     let output = std::process::Command::new(keel_tests::keel_binary())

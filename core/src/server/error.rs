@@ -57,6 +57,7 @@ impl From<store::Error> for ApiError {
                 Self::new(ErrorType::Conflict, e.to_string())
             }
             store::Error::Projection { .. } => Self::new(ErrorType::Unprocessable, e.to_string()),
+            _ if e.is_unavailable() => Self::new(ErrorType::Unavailable, e.to_string()),
             _ => Self::new(ErrorType::Internal, e.to_string()),
         }
     }
@@ -89,7 +90,12 @@ impl From<request::Error> for ApiError {
 
 impl From<runner::Error> for ApiError {
     fn from(e: runner::Error) -> Self {
-        Self::new(ErrorType::Internal, e.to_string())
+        match e {
+            runner::Error::Store(store) if store.is_unavailable() => {
+                Self::new(ErrorType::Unavailable, store.to_string())
+            }
+            e => Self::new(ErrorType::Internal, e.to_string()),
+        }
     }
 }
 
@@ -110,5 +116,44 @@ impl From<JsonRejection> for ApiError {
 impl From<QueryRejection> for ApiError {
     fn from(e: QueryRejection) -> Self {
         Self::bad_request(e.body_text())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use diesel::result::{DatabaseErrorKind, Error as Db};
+
+    use super::*;
+
+    #[test]
+    fn a_database_out_of_reach_is_a_503_and_a_broken_row_a_500() {
+        let closed = || {
+            store::Error::Database(Db::DatabaseError(
+                DatabaseErrorKind::ClosedConnection,
+                Box::new("server closed the connection unexpectedly".to_owned()),
+            ))
+        };
+        for unavailable in [
+            closed(),
+            store::Error::CommitFailed("commit failed: connection lost".into()),
+            store::Error::WriterGone,
+        ] {
+            assert_eq!(ApiError::from(unavailable).kind, ErrorType::Unavailable);
+        }
+        let through_the_runner = runner::Error::Store(Arc::new(closed()));
+        assert_eq!(
+            ApiError::from(through_the_runner).kind,
+            ErrorType::Unavailable
+        );
+        assert_eq!(
+            ApiError::from(store::Error::Corrupt("claim phase".into())).kind,
+            ErrorType::Internal
+        );
+        assert_eq!(
+            ApiError::from(runner::Error::Config("no agent".into())).kind,
+            ErrorType::Internal
+        );
     }
 }

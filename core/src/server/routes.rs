@@ -1,14 +1,17 @@
 //! The JSON routes.
 
+use std::time::Duration;
+
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
+use diesel::RunQueryDsl;
 use keel_schema::api::{
     Accepted, CreateSession, ErrorType, ExecutionStatus, Health, InterruptResponse,
     ListSessionsQuery, MessageList, NodeList, PermissionReply, PromptRequest, PromptResponse,
-    QuestionReply, Session, SessionList, SessionStatus, UpdateSession,
+    QuestionReply, Ready, Session, SessionList, SessionStatus, UpdateSession,
 };
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{OwnerId, RequestId, SessionId};
@@ -31,6 +34,43 @@ pub async fn health() -> Json<Health> {
         ok: true,
         version: env!("CARGO_PKG_VERSION").into(),
     })
+}
+
+/// How long each readiness check may take.
+const READY_WITHIN: Duration = Duration::from_secs(2);
+
+pub async fn ready(State(state): State<AppState>) -> Result<Json<Ready>> {
+    let unavailable = |what: &str, why: &dyn std::fmt::Display| {
+        ApiError::new(ErrorType::Unavailable, format!("{what}: {why}"))
+    };
+    let late = format!("no answer within {} s", READY_WITHIN.as_secs());
+    let query = state.store.read(|c| {
+        diesel::sql_query("SELECT 1")
+            .execute(c)
+            .map_err(store::Error::from)
+    });
+    match tokio::time::timeout(READY_WITHIN, query).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(unavailable("the database does not answer", &e)),
+        Err(_) => return Err(unavailable("the database does not answer", &late)),
+    }
+    let commit = state.store.write(|_| Ok::<_, store::Error>(()));
+    match tokio::time::timeout(READY_WITHIN, commit).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(unavailable("the writer cannot commit", &e)),
+        Err(_) => return Err(unavailable("the writer cannot commit", &late)),
+    }
+    let mut checks = vec!["database".to_owned(), "writer".to_owned()];
+    if let Some(bus) = &state.bus {
+        if !bus.is_connected() {
+            return Err(unavailable(
+                "the connection to the other nodes is down",
+                &"reconnecting",
+            ));
+        }
+        checks.push("notifications".to_owned());
+    }
+    Ok(Json(Ready { ok: true, checks }))
 }
 
 pub async fn not_found() -> ApiError {
