@@ -79,6 +79,7 @@ impl Bench {
                 retry: RetryPolicy::default(),
                 models: HashMap::new(),
                 instructions: Instructions::none(),
+                prices: HashMap::new(),
             },
         );
         let workspace = tempfile::tempdir().unwrap();

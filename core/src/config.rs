@@ -19,6 +19,10 @@
 //! [model."demo/scripted"]
 //! context = 128000
 //! output = 8192
+//! [model."demo/scripted".price]  # optional: per million tokens, for step.ended.cost
+//! input = 3.0
+//! output = 15.0
+//! cache_read = 0.3               # optional, like cache_write; the input price otherwise
 //! [agent.build]
 //! system = "You are …"
 //! max_steps = 50
@@ -44,7 +48,7 @@ use crate::provider::anthropic::Anthropic;
 use crate::provider::openai::OpenAi;
 use crate::provider::scripted::Scripted;
 use crate::provider::{Provider, Timeouts};
-use crate::runner::{Agent, ModelLimits, Policy};
+use crate::runner::{Agent, ModelLimits, Policy, Prices};
 
 /// What can be wrong with the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -138,12 +142,27 @@ impl ProviderConfig {
     }
 }
 
-/// A model's limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// A model's limits and prices.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
-    pub context: u64,
-    pub output: u64,
+    /// The context window in tokens: with `output`, the limits automatic compaction uses.
+    pub context: Option<u64>,
+    /// The output limit of each request, in tokens.
+    pub output: Option<u64>,
+    /// What the model costs, per million tokens.
+    pub price: Option<PriceConfig>,
+}
+
+/// `[model."provider/id".price]`: currency units per million tokens. Cached input costs
+/// the input price unless set.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceConfig {
+    pub input: f64,
+    pub output: f64,
+    pub cache_read: Option<f64>,
+    pub cache_write: Option<f64>,
 }
 
 /// An agent entry.
@@ -169,7 +188,7 @@ pub struct InstructionsConfig {
 }
 
 /// `keel.toml`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub default_model: String,
@@ -247,6 +266,27 @@ impl Config {
                 config.default_model
             ));
         }
+        for (name, model) in &config.model {
+            if model.context.is_some() != model.output.is_some() {
+                return Err(format!(
+                    "[model.\"{name}\"] sets one of `context` and `output`: set both (the \
+                     limits automatic compaction uses) or neither"
+                ));
+            }
+            if let Some(price) = model.price {
+                let all = [
+                    Some(price.input),
+                    Some(price.output),
+                    price.cache_read,
+                    price.cache_write,
+                ];
+                if all.into_iter().flatten().any(|p| !p.is_finite() || p < 0.0) {
+                    return Err(format!(
+                        "[model.\"{name}\".price]: prices are numbers of at least 0"
+                    ));
+                }
+            }
+        }
         Ok(config)
     }
 
@@ -320,16 +360,34 @@ impl Config {
         Ok(built)
     }
 
-    /// The configured model limits, by `provider/id`.
+    /// The configured model limits, by `provider/id`: models with both `context` and
+    /// `output` (one alone is refused by [`Config::parse`]).
     pub fn models(&self) -> HashMap<String, ModelLimits> {
         self.model
             .iter()
-            .map(|(name, m)| {
+            .filter_map(|(name, m)| {
                 let limits = ModelLimits {
-                    context: m.context,
-                    output: m.output,
+                    context: m.context?,
+                    output: m.output?,
                 };
-                (name.clone(), limits)
+                Some((name.clone(), limits))
+            })
+            .collect()
+    }
+
+    /// The configured model prices, by `provider/id`.
+    pub fn prices(&self) -> HashMap<String, Prices> {
+        self.model
+            .iter()
+            .filter_map(|(name, m)| {
+                let price = m.price?;
+                let prices = Prices {
+                    input: price.input,
+                    output: price.output,
+                    cache_read: price.cache_read.unwrap_or(price.input),
+                    cache_write: price.cache_write.unwrap_or(price.input),
+                };
+                Some((name.clone(), prices))
             })
             .collect()
     }
@@ -473,6 +531,62 @@ mod tests {
         )
         .unwrap_err();
         assert!(unknown.contains("file"), "{unknown}");
+    }
+
+    #[test]
+    fn prices_come_per_model_with_cached_input_at_the_input_price_unless_set() {
+        let config = Config::parse(
+            r#"
+            default_model = "demo/scripted"
+            [provider.demo]
+            kind = "scripted"
+            [model."demo/scripted".price]
+            input = 3.0
+            output = 15.0
+            cache_read = 0.3
+            [model."demo/other".price]
+            input = 1.0
+            output = 2.0
+            "#,
+        )
+        .unwrap();
+        let prices = config.prices();
+        assert_eq!(
+            prices["demo/scripted"],
+            Prices {
+                input: 3.0,
+                output: 15.0,
+                cache_read: 0.3,
+                cache_write: 3.0,
+            }
+        );
+        assert_eq!(prices["demo/other"].cache_read, 1.0);
+        // Prices alone set no limits: no automatic compaction for these models.
+        assert!(config.models().is_empty());
+        let usage = keel_schema::types::Usage {
+            input: 1_000_000,
+            output: 2_000_000,
+            reasoning: 500_000,
+            cache_read: 1_000_000,
+            cache_write: 0,
+        };
+        // Reasoning is part of output, so it is not paid twice.
+        assert_eq!(prices["demo/scripted"].cost(&usage), 3.0 + 30.0 + 0.3);
+    }
+
+    #[test]
+    fn half_a_limit_or_a_negative_price_is_refused() {
+        let base = "default_model = \"demo/scripted\"\n[provider.demo]\nkind = \"scripted\"\n";
+        let half = Config::parse(&format!(
+            "{base}[model.\"demo/scripted\"]\ncontext = 1000\n"
+        ))
+        .unwrap_err();
+        assert!(half.contains("set both"), "{half}");
+        let negative = Config::parse(&format!(
+            "{base}[model.\"demo/scripted\".price]\ninput = -1.0\noutput = 1.0\n"
+        ))
+        .unwrap_err();
+        assert!(negative.contains("at least 0"), "{negative}");
     }
 
     #[test]

@@ -157,6 +157,7 @@ impl Node {
             retry: RetryPolicy::default(),
             models: options.config.models(),
             instructions: options.config.instructions(),
+            prices: options.config.prices(),
         };
         let store = Store::open(options.db.clone(), options.store.clone()).await?;
         let runner = Runner::new(store.clone(), settings);

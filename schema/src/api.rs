@@ -109,7 +109,7 @@ pub struct ExecutionStatus {
 }
 
 /// `GET /api/session/{id}/status`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct SessionStatus {
     pub busy: bool,
     pub execution: Option<ExecutionStatus>,
@@ -117,6 +117,10 @@ pub struct SessionStatus {
     pub pending_inputs: u32,
     /// Permission requests and questions waiting for a reply.
     pub awaiting_replies: u32,
+    /// Token usage of all steps so far.
+    pub usage: Usage,
+    /// What all steps so far cost, by the prices `keel.toml` gives the models (0 without).
+    pub cost: f64,
 }
 
 /// `POST /api/session/{id}/prompt`.

@@ -25,6 +25,9 @@ default_model = "local/llama-3.1-8b"
 [provider.local]
 kind = "openai"
 base_url = "{}/v1"
+[model."local/llama-3.1-8b".price]
+input = 2.0
+output = 10.0
 "#,
         fake.base_url
     );
@@ -80,6 +83,21 @@ base_url = "{}/v1"
         &events.last().unwrap().event,
         DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded
     ));
+
+    // Each step's cost comes from the usage the server reported and the configured
+    // prices; the status route sums them.
+    let mut expected = 0.0;
+    for envelope in &events {
+        if let DurableEvent::StepEnded(s) = &envelope.event {
+            // Cached input costs the input price: the file sets no `cache_read`.
+            let input = (s.usage.input + s.usage.cache_read) as f64;
+            let cost = (input * 2.0 + s.usage.output as f64 * 10.0) / 1e6;
+            assert!(s.usage.input > 0 && (s.cost - cost).abs() < 1e-12, "{s:?}");
+            expected += cost;
+        }
+    }
+    let status = client.session_status(session).await.unwrap();
+    assert!((status.cost - expected).abs() < 1e-12, "{status:?}");
 
     let received = fake.received();
     assert_eq!(received.len(), 2);

@@ -97,6 +97,14 @@ impl Engine {
             .flatten()
     }
 
+    /// What `usage` of `model` cost, by its configured prices (0 without).
+    pub(super) fn cost(&self, model: &ModelRef, usage: &keel_schema::types::Usage) -> f64 {
+        self.settings
+            .prices
+            .get(&model.to_string())
+            .map_or(0.0, |prices| prices.cost(usage))
+    }
+
     /// The session's directory, agent and model.
     pub(super) async fn session_info(
         &self,

@@ -46,6 +46,6 @@ pub use error::Error;
 pub use handle::{Forwarder, Runner};
 pub use live::Live;
 pub use retry::RetryPolicy;
-pub use settings::{Agent, Policy, Settings};
+pub use settings::{Agent, Policy, Prices, Settings};
 pub use shutdown::CONTINUATION as SHUTDOWN_CONTINUATION;
 pub use step::StepSummary;

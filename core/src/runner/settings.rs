@@ -61,6 +61,29 @@ pub struct Settings {
     pub models: HashMap<String, ModelLimits>,
     /// The project instruction files added to every agent's system prompt.
     pub instructions: Instructions,
+    /// Prices of the models that have them configured, by `provider/id`.
+    pub prices: HashMap<String, Prices>,
+}
+
+/// What a model costs, in currency units per million tokens of each kind.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Prices {
+    pub input: f64,
+    pub output: f64,
+    pub cache_read: f64,
+    pub cache_write: f64,
+}
+
+impl Prices {
+    /// The cost of `usage`. Input counts the tokens not read from or written to a cache
+    /// (as both adapters report it); output includes reasoning.
+    pub fn cost(&self, usage: &keel_schema::types::Usage) -> f64 {
+        let per_token = |tokens: u64, price: f64| tokens as f64 * price / 1_000_000.0;
+        per_token(usage.input, self.input)
+            + per_token(usage.output, self.output)
+            + per_token(usage.cache_read, self.cache_read)
+            + per_token(usage.cache_write, self.cache_write)
+    }
 }
 
 impl Settings {

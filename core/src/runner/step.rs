@@ -770,8 +770,8 @@ impl<'a> Step<'a> {
                     DurableEvent::StepEnded(payload::StepEnded {
                         assistant_message_id: assistant,
                         finish,
+                        cost: self.engine.cost(&self.request.model, &usage),
                         usage,
-                        cost: 0.0,
                     }),
                 )
             }

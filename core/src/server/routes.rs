@@ -230,16 +230,18 @@ pub async fn session_status(
 
 /// Whether the session is busy, with its claim, and how many inputs and requests wait.
 async fn status(state: &AppState, id: SessionId) -> Result<SessionStatus> {
-    let (claim, pending, awaiting) = state
+    let (claim, pending, awaiting, spent) = state
         .store
         .read(move |c| {
             Ok::<_, store::Error>((
                 execution::get(c, id)?,
                 view::pending_inputs(c, id)?,
                 request::awaiting_replies(c, id)?,
+                view::session(c, id)?.map(|s| (s.usage, s.cost)),
             ))
         })
         .await?;
+    let (usage, cost) = spent.unwrap_or_default();
     Ok(SessionStatus {
         busy: claim.is_some(),
         execution: claim.map(|row| ExecutionStatus {
@@ -251,6 +253,8 @@ async fn status(state: &AppState, id: SessionId) -> Result<SessionStatus> {
         }),
         pending_inputs: pending,
         awaiting_replies: awaiting,
+        usage,
+        cost,
     })
 }
 

@@ -786,3 +786,46 @@ async fn a_crash_between_a_settled_tool_step_and_the_next_recovers_the_continuat
     assert_outcome!(first.await.unwrap(), Err(RunError::Failed(Error::OwnershipLost(id))) if id == session);
     assert_eq!(h.kinds(session).await, kinds);
 }
+
+#[tokio::test]
+async fn a_steps_cost_comes_from_its_usage_and_the_models_prices_and_adds_up_per_session() {
+    let h = Harness::new(Setup {
+        prices: HashMap::from([(
+            "driven/test".to_owned(),
+            keel_core::runner::Prices {
+                input: 3.0,
+                output: 15.0,
+                cache_read: 0.3,
+                cache_write: 3.75,
+            },
+        )]),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session_on("driven").await;
+    for text in ["one", "two"] {
+        h.admit(session, text, Delivery::Queue).await;
+        // `answer` reports 10 input and 5 output tokens.
+        answer(&h, "Done.");
+        h.runner.run(session).await.unwrap();
+    }
+    let costs: Vec<f64> = h
+        .log(session)
+        .await
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::StepEnded(s) => Some(s.cost),
+            _ => None,
+        })
+        .collect();
+    let one = (10.0 * 3.0 + 5.0 * 15.0) / 1_000_000.0;
+    assert_eq!(costs, [one, one]);
+    let total = h
+        .store
+        .read(move |c| keel_core::event::view::session(c, session))
+        .await
+        .unwrap()
+        .unwrap()
+        .cost;
+    assert!((total - 2.0 * one).abs() < 1e-12, "{total}");
+}

@@ -253,6 +253,8 @@ pub struct Setup {
     pub models: HashMap<String, runner::ModelLimits>,
     /// Project instructions; none by default, so no file of the machine is read.
     pub instructions: Option<Instructions>,
+    /// Model prices, by `provider/id`.
+    pub prices: HashMap<String, runner::Prices>,
     /// More tools, besides the gate, the probe and the built-ins.
     pub tools: Vec<Arc<dyn Tool>>,
 }
@@ -316,6 +318,7 @@ impl Harness {
             retry: setup.retry.unwrap_or_default(),
             models: setup.models,
             instructions: setup.instructions.unwrap_or_else(Instructions::none),
+            prices: setup.prices,
         };
         let runner = Runner::new(store.clone(), settings.clone());
         Self {

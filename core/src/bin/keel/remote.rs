@@ -188,11 +188,17 @@ pub async fn sessions(args: Sessions) -> Result<()> {
         println!("no sessions");
     }
     for Session {
-        id, title, model, ..
+        id,
+        title,
+        model,
+        usage,
+        cost,
+        ..
     } in page.items
     {
         let title = title.unwrap_or_else(|| "(untitled)".into());
-        println!("{id}  {model}  {title}");
+        let tokens = usage.input + usage.cache_read + usage.cache_write + usage.output;
+        println!("{id}  {model}  {tokens} tokens  {cost:.4}  {title}");
     }
     Ok(())
 }
