@@ -106,7 +106,7 @@ fn path_parameters_match_the_path_templates() {
 }
 
 #[test]
-fn health_is_the_only_route_without_the_bearer_token() {
+fn the_liveness_and_readiness_probes_are_the_only_routes_without_the_bearer_token() {
     let document = openapi::document();
     let open: Vec<&str> = ROUTES
         .iter()
@@ -115,7 +115,7 @@ fn health_is_the_only_route_without_the_bearer_token() {
         })
         .map(|r| r.path)
         .collect();
-    assert_eq!(open, vec!["/api/health"]);
+    assert_eq!(open, vec!["/api/health", "/api/ready"]);
 }
 
 #[test]
