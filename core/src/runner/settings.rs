@@ -78,11 +78,12 @@ impl Prices {
     /// The cost of `usage`. Input counts the tokens not read from or written to a cache
     /// (as both adapters report it); output includes reasoning.
     pub fn cost(&self, usage: &keel_schema::types::Usage) -> f64 {
-        let per_token = |tokens: u64, price: f64| tokens as f64 * price / 1_000_000.0;
-        per_token(usage.input, self.input)
-            + per_token(usage.output, self.output)
-            + per_token(usage.cache_read, self.cache_read)
-            + per_token(usage.cache_write, self.cache_write)
+        let tokens = |count: u64, price: f64| count as f64 * price;
+        (tokens(usage.input, self.input)
+            + tokens(usage.output, self.output)
+            + tokens(usage.cache_read, self.cache_read)
+            + tokens(usage.cache_write, self.cache_write))
+            / 1_000_000.0
     }
 }
 
