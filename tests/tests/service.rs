@@ -480,5 +480,5 @@ async fn every_route_of_the_contract_is_served() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 18);
+    assert_eq!(checked, 19);
 }
