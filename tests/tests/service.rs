@@ -346,6 +346,23 @@ async fn readiness_checks_the_database_and_the_writer_and_needs_no_token() {
     assert_eq!(ready.checks, ["database", "writer"]);
 }
 
+#[tokio::test]
+async fn the_log_can_be_json_one_object_per_line() {
+    let server = Server::start(&["--log-format", "json"]);
+    let client = Client::new(&server.base_url).unwrap();
+    client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !server.logged(r#""fields":{"message":"store open""#) {
+        assert!(std::time::Instant::now() < deadline, "no JSON log line");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(server.logged(r#""level":"INFO""#));
+    assert!(!server.logged("\u{1b}["), "no colours in a JSON log");
+}
+
 #[test]
 fn serving_a_non_loopback_address_without_a_token_is_refused() {
     let output = std::process::Command::new(keel_tests::keel_binary())

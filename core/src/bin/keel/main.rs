@@ -50,16 +50,20 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    if let Command::Serve(_) = command {
-        tracing_subscriber::fmt()
+    if let Command::Serve(args) = &command {
+        let log = tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
                     .unwrap_or_else(|_| "info".into()),
             )
-            .with_writer(std::io::stderr)
+            .with_writer(std::io::stderr);
+        match args.log_format {
             // Colours only for a person at a terminal, never into a log file.
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .init();
+            serve::LogFormat::Text => log
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .init(),
+            serve::LogFormat::Json => log.json().init(),
+        }
     }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,

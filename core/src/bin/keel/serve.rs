@@ -47,6 +47,17 @@ pub struct Serve {
     #[arg(long, env = "KEEL_DB_READERS", default_value_t = 4,
           value_parser = clap::value_parser!(u32).range(1..))]
     db_readers: u32,
+    /// How the log on stderr is written: `text` for people (coloured on a terminal) or
+    /// `json`, one object per line, for log collectors.
+    #[arg(long, env = "KEEL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// How `keel serve` writes its log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 pub async fn serve(args: Serve) -> Result<()> {
