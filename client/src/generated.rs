@@ -98,6 +98,12 @@ impl Client {
             .await
     }
 
+    /// `GET /api/agents`: The agents sessions can use, with each one's model and the tools it offers.
+    pub async fn agents(&self) -> Result<AgentList, Error> {
+        self.call_json(reqwest::Method::GET, "/api/agents".to_owned(), None::<&()>, None::<&()>)
+            .await
+    }
+
     /// `GET /api/nodes`: The live Keel processes sharing the database, with the sessions each owns.
     pub async fn nodes(&self) -> Result<NodeList, Error> {
         self.call_json(reqwest::Method::GET, "/api/nodes".to_owned(), None::<&()>, None::<&()>)

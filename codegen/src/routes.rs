@@ -371,6 +371,8 @@ pub const ROUTES: &[Route] = &[
         "Live events of all sessions as server-sent events. A subscriber that falls \
                   behind is sent `lagged` and disconnected.",
     ),
+    Route::get("/api/agents", "agents", json(200, ty!(AgentList)))
+        .summary("The agents sessions can use, with each one's model and the tools it offers."),
     Route::get("/api/nodes", "nodes", json(200, ty!(NodeList)))
         .summary("The live Keel processes sharing the database, with the sessions each owns."),
     Route::get("/openapi.json", "openapi", json(200, OPENAPI_DOCUMENT)).summary("This contract."),

@@ -62,6 +62,7 @@ impl Bench {
             "build".to_owned(),
             Agent {
                 max_steps,
+                permissions: keel_core::runner::Permissions::allow_all(),
                 ..Agent::default()
             },
         );

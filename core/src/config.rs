@@ -41,14 +41,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use keel_schema::types::ModelRef;
 use serde::Deserialize;
 
 use crate::instructions::Instructions;
+use crate::permission::{Policy, Rule};
 use crate::provider::anthropic::Anthropic;
 use crate::provider::openai::OpenAi;
 use crate::provider::scripted::Scripted;
 use crate::provider::{Provider, Timeouts};
-use crate::runner::{Agent, ModelLimits, Policy, Prices};
+use crate::runner::{Agent, ModelLimits, Prices};
 
 /// What can be wrong with the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -166,13 +168,36 @@ pub struct PriceConfig {
 }
 
 /// An agent entry.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
-    pub system: Option<String>,
+    pub system: Option<SystemConfig>,
     pub max_steps: Option<u32>,
+    /// `provider/model`: what its sessions use unless they choose a model.
+    pub model: Option<String>,
+    /// Which tools the model is offered, as name patterns; all when absent.
+    pub tools: Option<Vec<String>>,
+    /// Sampling temperature, 0 to 2.
+    pub temperature: Option<f64>,
+    /// By tool name (or name pattern): one word, or a table of patterns to words.
     #[serde(default)]
-    pub permissions: HashMap<String, String>,
+    pub permissions: HashMap<String, PermissionConfig>,
+}
+
+/// An agent's system prompt: the text, or `{ file = "…" }` relative to the config file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum SystemConfig {
+    Text(String),
+    File { file: PathBuf },
+}
+
+/// A tool's permission: `"ask"`, or `{ "git status" = "allow", "*" = "ask" }`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum PermissionConfig {
+    Word(String),
+    Patterns(HashMap<String, String>),
 }
 
 /// `[instructions]`: which project instruction files every agent is given.
@@ -409,25 +434,77 @@ impl Config {
     pub fn agents(&self) -> Result<HashMap<String, Agent>, Error> {
         let mut agents = HashMap::from([("build".to_owned(), Agent::default())]);
         for (name, entry) in &self.agent {
+            let invalid = |what: String| Error::Invalid(format!("agent `{name}`: {what}"));
             let mut agent = Agent::default();
-            if let Some(system) = &entry.system {
-                agent.system = system.clone();
+            match &entry.system {
+                None => {}
+                Some(SystemConfig::Text(text)) => agent.system = text.clone(),
+                Some(SystemConfig::File { file }) => {
+                    let path = self.base.join(file);
+                    agent.system = std::fs::read_to_string(&path).map_err(|e| {
+                        invalid(format!(
+                            "could not read its system prompt {}: {e}",
+                            path.display()
+                        ))
+                    })?;
+                }
             }
             if let Some(max_steps) = entry.max_steps {
                 agent.max_steps = max_steps.max(1);
             }
-            for (tool, policy) in &entry.permissions {
-                let policy = match policy.as_str() {
-                    "allow" => Policy::Allow,
-                    "ask" => Policy::Ask,
-                    "deny" => Policy::Deny,
-                    other => {
-                        return Err(Error::Invalid(format!(
-                            "agent `{name}`: permission `{other}` for `{tool}` is not allow, ask or deny"
-                        )));
+            if let Some(model) = &entry.model {
+                let model: ModelRef = model
+                    .parse()
+                    .map_err(|e| invalid(format!("model `{model}`: {e}")))?;
+                if !self.provider.contains_key(&model.provider) {
+                    return Err(invalid(format!(
+                        "model `{model}`: no provider `{}` is configured",
+                        model.provider
+                    )));
+                }
+                agent.model = Some(model);
+            }
+            if let Some(tools) = &entry.tools {
+                if tools.iter().any(|t| t.trim().is_empty()) {
+                    return Err(invalid("an empty name in `tools`".into()));
+                }
+                agent.tools = Some(tools.clone());
+            }
+            if let Some(temperature) = entry.temperature {
+                if !(0.0..=2.0).contains(&temperature) {
+                    return Err(invalid(format!(
+                        "temperature {temperature} is not between 0 and 2"
+                    )));
+                }
+                agent.temperature = Some(temperature);
+            }
+            let word = |tool: &str, pattern: Option<&str>, word: &str| {
+                Policy::parse(word).ok_or_else(|| {
+                    let which = pattern.map_or_else(String::new, |p| format!(" pattern `{p}`"));
+                    invalid(format!(
+                        "permission `{word}` for `{tool}`{which} is not allow, ask or deny"
+                    ))
+                })
+            };
+            for (tool, permission) in &entry.permissions {
+                let rule = match permission {
+                    PermissionConfig::Word(policy) => Rule::Policy(word(tool, None, policy)?),
+                    PermissionConfig::Patterns(patterns) if patterns.is_empty() => {
+                        return Err(invalid(format!("the pattern table of `{tool}` is empty")));
+                    }
+                    PermissionConfig::Patterns(patterns) => {
+                        let mut rules = patterns
+                            .iter()
+                            .map(|(pattern, policy)| {
+                                Ok((pattern.clone(), word(tool, Some(pattern), policy)?))
+                            })
+                            .collect::<Result<Vec<_>, Error>>()?;
+                        // A fixed order, so equal rules always resolve alike.
+                        rules.sort();
+                        Rule::Patterns(rules)
                     }
                 };
-                agent.permissions.insert(tool.clone(), policy);
+                agent.permissions.set(tool, rule);
             }
             agents.insert(name.clone(), agent);
         }
@@ -611,12 +688,82 @@ mod tests {
             max_steps = 3
             [agent.build.permissions]
             bash = "ask"
+            [agent.review]
+            model = "demo/scripted"
+            tools = ["read", "grep", "github_*"]
+            temperature = 0.2
+            system = "Review only."
+            [agent.review.permissions]
+            "github_*" = "allow"
+            [agent.review.permissions.bash]
+            "git status" = "allow"
+            "git push *" = "ask"
+            "*" = "deny"
             "#,
         )
         .unwrap();
         let agents = config.agents().unwrap();
+        let decide = |agent: &str, tool: &str, value: &str| {
+            agents[agent]
+                .permissions
+                .decide(tool, keel_schema::types::Effect::Write, value)
+                .policy
+        };
         assert_eq!(agents["build"].max_steps, 3);
-        assert_eq!(agents["build"].permissions["bash"], Policy::Ask);
+        assert_eq!(decide("build", "bash", "ls"), Policy::Ask);
+        let review = &agents["review"];
+        assert_eq!(review.model.as_ref().unwrap().to_string(), "demo/scripted");
+        assert_eq!(review.temperature, Some(0.2));
+        assert_eq!(review.system, "Review only.");
+        assert!(review.offers("github_list_issues") && review.offers("read"));
+        assert!(!review.offers("bash") && !review.offers("write"));
+        assert_eq!(decide("review", "bash", "git status"), Policy::Allow);
+        assert_eq!(decide("review", "bash", "git push origin"), Policy::Ask);
+        assert_eq!(decide("review", "bash", "rm -rf /"), Policy::Deny);
+        assert_eq!(decide("review", "github_close", ""), Policy::Allow);
+    }
+
+    #[test]
+    fn an_agents_system_prompt_can_come_from_a_file_beside_the_config() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("review.md"), "Review carefully.\n").unwrap();
+        let path = dir.path().join("keel.toml");
+        std::fs::write(
+            &path,
+            "default_model = \"demo/scripted\"\n[provider.demo]\nkind = \"scripted\"\n\
+             [agent.review]\nsystem = { file = \"review.md\" }\n\
+             [agent.missing]\nsystem = { file = \"nope.md\" }\n",
+        )
+        .unwrap();
+        let config = Config::load(Some(&path)).unwrap();
+        let error = config.agents().unwrap_err().to_string();
+        assert!(
+            error.contains("agent `missing`") && error.contains("nope.md"),
+            "{error}"
+        );
+        let mut config = config;
+        config.agent.remove("missing");
+        assert_eq!(
+            config.agents().unwrap()["review"].system,
+            "Review carefully.\n"
+        );
+    }
+
+    #[test]
+    fn a_bad_agent_model_temperature_or_permission_word_is_named() {
+        let base = "default_model = \"demo/scripted\"\n[provider.demo]\nkind = \"scripted\"\n";
+        let error = |agent: &str| {
+            Config::parse(&format!("{base}[agent.a]\n{agent}"))
+                .unwrap()
+                .agents()
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(error("model = \"other/m\"\n").contains("no provider `other`"));
+        assert!(error("temperature = 3.0\n").contains("not between 0 and 2"));
+        let word = error("[agent.a.permissions.bash]\n\"git *\" = \"yes\"\n");
+        assert!(word.contains("`yes` for `bash` pattern `git *`"), "{word}");
+        assert!(error("[agent.a.permissions]\nbash = {}\n").contains("empty"));
     }
 
     #[test]

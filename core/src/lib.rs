@@ -13,6 +13,7 @@
 //! - [`coordinator`]: at most one drain per session; wakes, joins, interrupts.
 //! - [`provider`]: model requests as streams of LLM events; one adapter per API.
 //! - [`tool`]: the tools the model can call, confined to the session directory.
+//! - [`permission`]: an agent's permission rules: allow, ask or deny, by tool and pattern.
 //! - [`request`]: permission requests and questions: durable waits for a person.
 //! - [`runner`]: drains a session through the model and its tools, fenced.
 //! - [`recovery`]: takes over the executions of dead owners, exactly once.
@@ -30,6 +31,7 @@ pub mod execution;
 pub mod inbox;
 pub mod instructions;
 pub mod node;
+pub mod permission;
 pub mod provider;
 pub mod recovery;
 pub mod request;

@@ -145,6 +145,8 @@ pub struct Request {
     pub tools: Arc<[ToolSpec]>,
     pub tool_choice: ToolChoice,
     pub max_output_tokens: Option<u32>,
+    /// Sampling temperature; the provider's default when `None`.
+    pub temperature: Option<f64>,
 }
 
 impl Request {

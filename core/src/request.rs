@@ -20,6 +20,7 @@ use keel_schema::types::Decision;
 use serde::{Deserialize, Serialize};
 
 use crate::event::log;
+use crate::permission;
 use crate::store::schema::{session_request, session_tool};
 use crate::store::{self, Conn};
 
@@ -126,6 +127,8 @@ pub struct Open {
     pub kind: Kind,
     /// The tool asked about (`question` for a question).
     pub tool: String,
+    /// What the call would touch (a permission's command or path; empty for a question).
+    pub pattern: String,
     /// The reply, once one committed.
     pub reply: Option<Reply>,
 }
@@ -140,6 +143,7 @@ struct Row {
     tool: String,
     state: String,
     reply: Option<String>,
+    pattern: String,
 }
 
 impl Row {
@@ -157,6 +161,7 @@ impl Row {
                 .map(|r| serde_json::from_str(r).map_err(|e| corrupt("reply", &e)))
                 .transpose()?,
             tool: self.tool,
+            pattern: self.pattern,
         })
     }
 }
@@ -237,19 +242,25 @@ pub fn waiting_step(
         .transpose()
 }
 
-/// Whether an earlier `always` reply allows `tool` for the rest of the session.
+/// Whether an earlier `always` reply allows a call of `tool` that would touch `pattern`:
+/// one to a request whose rule matches it, or (asked without a rule) with the same
+/// pattern.
 pub fn always_allowed(
     connection: &mut Conn,
     session: SessionId,
     tool: &str,
+    pattern: &str,
 ) -> Result<bool, store::Error> {
-    Ok(diesel::select(diesel::dsl::exists(
-        session_request::table
-            .filter(session_request::session_id.eq(session.to_string()))
-            .filter(session_request::tool.eq(tool))
-            .filter(session_request::always.eq(true)),
-    ))
-    .get_result(connection)?)
+    let remembered: Vec<(String, Option<String>)> = session_request::table
+        .filter(session_request::session_id.eq(session.to_string()))
+        .filter(session_request::tool.eq(tool))
+        .filter(session_request::always.eq(true))
+        .select((session_request::pattern, session_request::rule))
+        .load(connection)?;
+    Ok(remembered.iter().any(|(asked, rule)| match rule {
+        Some(rule) => permission::matches(rule, pattern),
+        None => asked == pattern,
+    }))
 }
 
 /// How many requests of `session` wait for a reply.

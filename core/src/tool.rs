@@ -28,7 +28,7 @@ mod walk;
 pub mod write;
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -137,9 +137,11 @@ pub trait Tool: Send + Sync {
     fn effect(&self) -> Effect;
     /// The JSON Schema of the input (draft 2020-12).
     fn input_schema(&self) -> Value;
-    /// What a permission for this call would cover: the command for `bash`, the path for
-    /// file tools.
-    fn permission_pattern(&self, input: &Value) -> String;
+    /// What a permission for this call would cover, matched against permission rules: the
+    /// command for `bash`; for file tools the path where it really is, relative to the
+    /// session directory `root` ([`path::permission_path`]), so `./a`, an absolute path and
+    /// a symlink are all checked as what they reach.
+    fn permission_pattern(&self, input: &Value, root: &Path) -> String;
     fn run<'a>(&'a self, input: Value, context: &'a Context) -> Run<'a>;
 }
 

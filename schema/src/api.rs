@@ -38,7 +38,7 @@ pub struct CreateSession {
     /// An agent named in `keel.toml`; defaults to `build`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<String>,
-    /// `provider/model`; defaults to the configured default model.
+    /// `provider/model`; defaults to the agent's model, then the configured default model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
 }
@@ -49,6 +49,8 @@ pub struct CreateSession {
 pub struct UpdateSession {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
+    /// Switching to an agent with its own model switches to that model too, unless
+    /// `model` is given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<String>,
     /// `provider/model`.
@@ -406,6 +408,25 @@ pub struct Node {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct NodeList {
     pub items: Vec<Node>,
+}
+
+/// An agent of `keel.toml` (or the built-in `build`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AgentInfo {
+    pub name: String,
+    /// The model its sessions use unless they choose one; absent: the default model.
+    pub model: Option<ModelRef>,
+    /// The tools the model is offered under this agent.
+    pub tools: Vec<String>,
+    pub max_steps: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+}
+
+/// `GET /api/agents`, by name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AgentList {
+    pub items: Vec<AgentInfo>,
 }
 
 /// The kind of an API error; each maps to one HTTP status.

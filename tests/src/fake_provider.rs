@@ -77,6 +77,54 @@ impl Canned {
         })
     }
 
+    /// A Chat Completions stream written for a test rather than recorded: `text` (may be
+    /// empty), then `calls` (tool name, arguments), finishing with `tool_calls` when there
+    /// are calls and `stop` otherwise.
+    pub fn chat(text: &str, calls: &[(&str, serde_json::Value)]) -> Self {
+        let chunk = |delta: serde_json::Value, finish: Option<&str>| {
+            let chunk = serde_json::json!({
+                "id": "chatcmpl-test",
+                "object": "chat.completion.chunk",
+                "created": 1_764_690_000,
+                "model": "test",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            });
+            format!("data: {chunk}\n\n")
+        };
+        let mut body = chunk(
+            serde_json::json!({"role": "assistant", "content": text}),
+            None,
+        );
+        // Call ids unique across responses, as a provider's are.
+        static NEXT_CALL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        for (index, (name, arguments)) in calls.iter().enumerate() {
+            let id = NEXT_CALL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            body.push_str(&chunk(
+                serde_json::json!({"tool_calls": [{
+                    "index": index,
+                    "id": format!("call_{id}"),
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments.to_string()},
+                }]}),
+                None,
+            ));
+        }
+        let finish = if calls.is_empty() {
+            "stop"
+        } else {
+            "tool_calls"
+        };
+        body.push_str(&chunk(serde_json::json!({}), Some(finish)));
+        body.push_str("data: [DONE]\n\n");
+        Self {
+            status: 200,
+            headers: vec![("content-type".into(), "text/event-stream".into())],
+            body: body.into_bytes(),
+            cut_at: None,
+            stall: None,
+        }
+    }
+
     /// Reads and parses a transcript file.
     pub fn file(path: &Path) -> Self {
         let text = std::fs::read_to_string(path)

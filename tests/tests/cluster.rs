@@ -22,6 +22,8 @@ default_model = "test/scripted"
 [provider.test]
 kind = "scripted"
 script = "script.json"
+[agent.build.permissions]
+"*" = "allow"
 "#;
 
 /// A guard against a hang, not a performance bound.
@@ -329,7 +331,7 @@ async fn a_permission_answered_through_another_node_resumes_the_waiting_step() {
     let Some(db) = PostgresDb::fresh("a_permission_answered_through_another_node") else {
         return;
     };
-    let config = format!("{CONFIG}[agent.build.permissions]\nwrite = \"ask\"\n");
+    let config = format!("{CONFIG}write = \"ask\"\n");
     let script = json!({ "responses": [
         { "items": [{ "type": "tool_call", "name": "write", "input": {
             "path": "note.txt", "content": "approved elsewhere"

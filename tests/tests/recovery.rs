@@ -22,6 +22,8 @@ default_model = "test/scripted"
 [provider.test]
 kind = "scripted"
 script = "script.json"
+[agent.build.permissions]
+"*" = "allow"
 "#;
 
 /// Reads durable events until `stop` says so, returning them all.
@@ -296,7 +298,7 @@ async fn sigterm_lets_a_step_finish_within_the_grace_and_the_restart_continues_f
 
 #[tokio::test]
 async fn a_permission_pending_across_a_kill_is_answered_after_the_restart_and_the_tool_runs_once() {
-    let config = format!("{CONFIG}[agent.build.permissions]\nbash = \"ask\"\n");
+    let config = format!("{CONFIG}bash = \"ask\"\n");
     let script = json!({ "responses": [
         { "items": [{ "type": "tool_call", "name": "bash", "input": {
             "command": "echo ran >> runs.txt"

@@ -27,6 +27,7 @@ kind = "scripted"
 script = "script.json"
 [agent.build.permissions]
 write = "ask"
+bash = "allow"
 "#;
 
 /// A server playing `script` (a list of responses, each a list of items).

@@ -443,8 +443,10 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
     let mut config = "default_model = \"crash/scripted\"\n[provider.crash]\nkind = \"scripted\"\n\
          script = \"script.json\"\n"
         .to_owned();
+    // Every tool runs unasked (Keel's default asks before a write), except with
+    // `--permissions`, where the asking tools ask.
+    config.push_str("[agent.build.permissions]\n\"*\" = \"allow\"\n");
     if options.permissions {
-        config.push_str("[agent.build.permissions]\n");
         for tool in ASKING {
             config.push_str(&format!("{tool} = \"ask\"\n"));
         }

@@ -202,12 +202,20 @@ impl Projection<'_> {
                     error: e.error.clone(),
                 },
             ),
-            DurableEvent::PermissionRequested(e) => {
-                self.asked(e.request_id, e.call_id, Kind::Permission, &e.tool)
-            }
-            DurableEvent::QuestionAsked(e) => {
-                self.asked(e.request_id, e.call_id, Kind::Question, "question")
-            }
+            DurableEvent::PermissionRequested(e) => self.asked(
+                e.request_id,
+                e.call_id,
+                Kind::Permission,
+                &e.tool,
+                (&e.pattern, e.rule.as_deref()),
+            ),
+            DurableEvent::QuestionAsked(e) => self.asked(
+                e.request_id,
+                e.call_id,
+                Kind::Question,
+                "question",
+                ("", None),
+            ),
             DurableEvent::PermissionReplied(e) => {
                 self.answered(e.request_id, &Reply::Permission(e.decision))
             }
@@ -333,6 +341,7 @@ impl Projection<'_> {
         call: keel_schema::id::CallId,
         kind: Kind,
         tool: &str,
+        (pattern, rule): (&str, Option<&str>),
     ) -> Result<(), Error> {
         let asked_seq = self.seq()?;
         self.run(InsertRequest {
@@ -342,6 +351,8 @@ impl Projection<'_> {
             kind: kind.as_str(),
             tool,
             asked_seq,
+            pattern,
+            rule,
         })
     }
 

@@ -146,9 +146,16 @@ mod tests {
             tools: std::sync::Arc::from([]),
             tool_choice: ToolChoice::Auto,
             max_output_tokens: Some(100),
+            temperature: None,
         };
         let sent = body(&request, local.limit_field());
         assert_eq!(sent["max_tokens"], 100);
         assert!(sent.get("tools").is_none(), "no tools, no tool_choice");
+        assert!(sent.get("temperature").is_none(), "the provider's default");
+        let warm = Request {
+            temperature: Some(0.25),
+            ..request
+        };
+        assert_eq!(body(&warm, local.limit_field())["temperature"], 0.25);
     }
 }

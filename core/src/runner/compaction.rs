@@ -142,7 +142,8 @@ impl Engine {
             model: info.model.clone(),
             system: SUMMARY_SYSTEM.into(),
             turns,
-            tools: self.specs.clone(),
+            tools: self.specs(&info.agent),
+            temperature: None,
             tool_choice: ToolChoice::None,
             max_output_tokens: self.limits(&info.model).map(|l| saturate(l.output)),
         };

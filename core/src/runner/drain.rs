@@ -62,7 +62,7 @@ fn any_actionable(
     for open in open {
         if open.reply.is_some()
             || (open.kind == Kind::Permission
-                && request::always_allowed(connection, session, &open.tool)?)
+                && request::always_allowed(connection, session, &open.tool, &open.pattern)?)
         {
             return Ok(true);
         }

@@ -27,8 +27,8 @@ use crate::store::Store;
 pub struct Engine {
     pub(super) store: Store,
     pub(super) settings: Arc<Settings>,
-    /// The tool definitions every request carries.
-    pub(super) specs: Arc<[ToolSpec]>,
+    /// The tool definitions requests carry, by agent (`build` always present).
+    specs: HashMap<String, Arc<[ToolSpec]>>,
     pub(super) held: Mutex<HashMap<SessionId, Held>>,
     pub(super) live: live::Hub,
     /// Where wakes for sessions another node holds go (set once, on PostgreSQL).
@@ -41,7 +41,19 @@ impl Engine {
     pub(super) fn new(store: Store, settings: Settings) -> Self {
         Self {
             store,
-            specs: super::tools::tool_specs(&settings.tools),
+            specs: {
+                let mut specs = HashMap::from([(
+                    "build".to_owned(),
+                    super::tools::tool_specs(&settings.tools, &Agent::default()),
+                )]);
+                for (name, agent) in &settings.agents {
+                    specs.insert(
+                        name.clone(),
+                        super::tools::tool_specs(&settings.tools, agent),
+                    );
+                }
+                specs
+            },
             settings: Arc::new(settings),
             held: Mutex::new(HashMap::new()),
             live: live::Hub::default(),
@@ -72,6 +84,15 @@ impl Engine {
 
     pub(super) fn held(&self, session: SessionId) -> Option<Held> {
         lock(&self.held).get(&session).cloned()
+    }
+
+    /// The tool definitions of agent `name`'s requests.
+    pub(super) fn specs(&self, agent: &str) -> Arc<[ToolSpec]> {
+        self.specs
+            .get(agent)
+            .or_else(|| self.specs.get("build"))
+            .cloned()
+            .unwrap_or_default()
     }
 
     pub(super) fn agent(&self, name: &str) -> Result<Agent, Error> {

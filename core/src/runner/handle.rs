@@ -44,6 +44,30 @@ impl Runner {
         self.coordinator.work()
     }
 
+    /// The agents, by name (`build` always among them), with the tools each offers.
+    pub fn agents(&self) -> Vec<(String, super::Agent, Vec<String>)> {
+        let engine = self.engine();
+        let mut names: Vec<&String> = engine.settings.agents.keys().collect();
+        let build = "build".to_owned();
+        if !names.contains(&&build) {
+            names.push(&build);
+        }
+        names.sort();
+        names
+            .into_iter()
+            .filter_map(|name| {
+                let agent = engine.settings.agent(name)?;
+                let tools = engine.specs(name).iter().map(|s| s.name.clone()).collect();
+                Some((name.clone(), agent, tools))
+            })
+            .collect()
+    }
+
+    /// The agent named `name`, if there is one.
+    pub fn agent(&self, name: &str) -> Option<super::Agent> {
+        self.engine().settings.agent(name)
+    }
+
     /// The store the runner writes to.
     pub fn store(&self) -> &Store {
         &self.engine().store

@@ -40,12 +40,13 @@ mod translate;
 
 use engine::Engine;
 
+pub use crate::permission::{Permissions, Policy, Rule};
 pub use crate::request::Reply;
 pub use compaction::{ModelLimits, needs_compaction};
 pub use error::Error;
 pub use handle::{Forwarder, Runner};
 pub use live::Live;
 pub use retry::RetryPolicy;
-pub use settings::{Agent, Policy, Prices, Settings};
+pub use settings::{Agent, Prices, Settings};
 pub use shutdown::CONTINUATION as SHUTDOWN_CONTINUATION;
 pub use step::StepSummary;

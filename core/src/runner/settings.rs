@@ -5,30 +5,37 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use keel_schema::id::OwnerId;
+use keel_schema::types::ModelRef;
 
 use super::{ModelLimits, RetryPolicy};
 use crate::event::view;
 use crate::instructions::Instructions;
+use crate::permission::{self, Permissions};
 use crate::provider::Provider;
 use crate::tool::{self, Registry};
 
-/// A tool's permission policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Policy {
-    #[default]
-    Allow,
-    /// Publish `permission.requested` and wait for a reply.
-    Ask,
-    Deny,
-}
-
-/// An agent: a system prompt, its tools' policies and a step limit.
+/// An agent: a system prompt, the tools it offers the model and their permission rules,
+/// optionally its own model and temperature, and a step limit.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Agent {
     pub system: String,
     pub max_steps: u32,
-    /// Per tool; tools not named are allowed.
-    pub permissions: HashMap<String, Policy>,
+    /// What its calls may do; by default tools that only read run and others ask.
+    pub permissions: Permissions,
+    /// The model its sessions use unless they choose one; `None`: the default model.
+    pub model: Option<ModelRef>,
+    /// Which tools the model is offered, as name patterns (`github_*`); `None`: all.
+    pub tools: Option<Vec<String>>,
+    pub temperature: Option<f64>,
+}
+
+impl Agent {
+    /// Whether the model may call `tool` under this agent.
+    pub fn offers(&self, tool: &str) -> bool {
+        self.tools
+            .as_ref()
+            .is_none_or(|patterns| patterns.iter().any(|p| permission::matches(p, tool)))
+    }
 }
 
 impl Default for Agent {
@@ -38,7 +45,10 @@ impl Default for Agent {
                      inspect and change files in the session directory."
                 .into(),
             max_steps: 50,
-            permissions: HashMap::new(),
+            permissions: Permissions::default(),
+            model: None,
+            tools: None,
+            temperature: None,
         }
     }
 }

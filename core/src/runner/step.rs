@@ -337,7 +337,8 @@ impl<'a> Step<'a> {
             model: info.model.clone(),
             system: system.unwrap_or_else(|| agent.system.clone()),
             turns: context::turns(messages),
-            tools: engine.specs.clone(),
+            tools: engine.specs(&info.agent),
+            temperature: agent.temperature,
             tool_choice: if last_step {
                 ToolChoice::None
             } else {
@@ -418,7 +419,8 @@ impl<'a> Step<'a> {
             model: info.model.clone(),
             system: agent.system.clone(),
             turns: Vec::new(),
-            tools: engine.specs.clone(),
+            tools: engine.specs(&info.agent),
+            temperature: agent.temperature,
             tool_choice: ToolChoice::Auto,
             max_output_tokens: None,
         };

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use super::fence::Held;
 use super::step::Step;
 use super::translate::Launch;
-use super::{Engine, Error, Live, Policy};
+use super::{Agent, Engine, Error, Live, Policy};
 use crate::execution;
 use crate::provider::ToolSpec;
 use crate::request::{self, Reply};
@@ -27,9 +27,10 @@ use crate::tool;
 /// What the built-in `question` tool takes.
 pub(super) const QUESTION: &str = "question";
 
-/// The tools as the model sees them: the registry's and the question. Built once per
-/// runner and shared by every request (a schema takes a while to generate).
-pub(super) fn tool_specs(tools: &tool::Registry) -> Arc<[ToolSpec]> {
+/// The tools as the model sees them: the registry's and the question, as many as
+/// `agent` offers. Built once per agent and runner and shared by every request (a schema
+/// takes a while to generate).
+pub(super) fn tool_specs(tools: &tool::Registry, agent: &Agent) -> Arc<[ToolSpec]> {
     tools
         .iter()
         .map(|t| ToolSpec {
@@ -38,6 +39,7 @@ pub(super) fn tool_specs(tools: &tool::Registry) -> Arc<[ToolSpec]> {
             input_schema: t.input_schema(),
         })
         .chain(std::iter::once(question_spec()))
+        .filter(|spec| agent.offers(&spec.name))
         .collect()
 }
 
@@ -111,40 +113,58 @@ impl Step<'_> {
             self.awaiting.push(call_id);
             return Ok(());
         }
-        let policy = self
-            .agent
-            .permissions
-            .get(&launch.name)
-            .copied()
-            .unwrap_or_default();
-        let policy =
-            if policy == Policy::Ask && engine.always_allowed(held, launch.name.clone()).await? {
+        let Some(tool) = engine.settings.tools.get(&launch.name) else {
+            // Fails as an unknown tool, asking nobody.
+            return self.start_tool(launch);
+        };
+        let verdict = if self.agent.offers(&launch.name) {
+            let root = self
+                .directory
+                .as_deref()
+                .unwrap_or(std::path::Path::new(""));
+            let pattern = tool.permission_pattern(&launch.input, root);
+            let verdict = self
+                .agent
+                .permissions
+                .decide(&launch.name, tool.effect(), &pattern);
+            Some((verdict, pattern))
+        } else {
+            None
+        };
+        let policy = match &verdict {
+            None => Policy::Deny,
+            Some((verdict, pattern))
+                if verdict.policy == Policy::Ask
+                    && engine
+                        .always_allowed(held, launch.name.clone(), pattern.clone())
+                        .await? =>
+            {
                 Policy::Allow
-            } else {
-                policy
-            };
+            }
+            Some((verdict, _)) => verdict.policy,
+        };
         match policy {
             Policy::Deny => {
+                let message = if verdict.is_some() {
+                    format!(
+                        "the agent's permission rules refuse this `{}` call",
+                        launch.name
+                    )
+                } else {
+                    format!("this agent does not offer the `{}` tool", launch.name)
+                };
                 engine
                     .commit(
                         held,
                         vec![DurableEvent::ToolFailed(payload::ToolFailed {
                             call_id,
-                            error: ErrorInfo::new(
-                                "tool.permission-denied",
-                                format!("the `{}` tool is not allowed for this agent", launch.name),
-                            ),
+                            error: ErrorInfo::new("tool.permission-denied", message),
                         })],
                     )
                     .await?;
             }
             Policy::Ask => {
-                let pattern = engine
-                    .settings
-                    .tools
-                    .get(&launch.name)
-                    .map(|t| t.permission_pattern(&launch.input))
-                    .unwrap_or_default();
+                let (verdict, pattern) = verdict.expect("asks come from a verdict");
                 engine
                     .commit(
                         held,
@@ -154,6 +174,7 @@ impl Step<'_> {
                                 call_id,
                                 tool: launch.name.clone(),
                                 pattern,
+                                rule: verdict.rule,
                             },
                         )],
                     )
@@ -286,7 +307,9 @@ impl Step<'_> {
                         .get_or_insert(InterruptReason::QuestionDismissed);
                 }
                 None if open.kind == request::Kind::Permission
-                    && engine.always_allowed(held, open.tool.clone()).await? =>
+                    && engine
+                        .always_allowed(held, open.tool.clone(), open.pattern.clone())
+                        .await? =>
                 {
                     start.push(launch);
                 }
@@ -311,10 +334,17 @@ impl Step<'_> {
 
 impl Engine {
     /// Whether an earlier `always` reply allows `tool` for the rest of the session.
-    async fn always_allowed(&self, held: &Held, tool: String) -> Result<bool, Error> {
+    async fn always_allowed(
+        &self,
+        held: &Held,
+        tool: String,
+        pattern: String,
+    ) -> Result<bool, Error> {
         let session = held.claim.session_id;
         self.store
-            .read(move |c| request::always_allowed(c, session, &tool).map_err(Error::from))
+            .read(move |c| {
+                request::always_allowed(c, session, &tool, &pattern).map_err(Error::from)
+            })
             .await
     }
 }

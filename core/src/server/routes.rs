@@ -9,9 +9,9 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use diesel::RunQueryDsl;
 use keel_schema::api::{
-    Accepted, CreateSession, ErrorType, ExecutionStatus, Health, InterruptResponse,
-    ListSessionsQuery, MessageList, NodeList, PermissionReply, PromptRequest, PromptResponse,
-    QuestionReply, Ready, Session, SessionList, SessionStatus, UpdateSession,
+    Accepted, AgentInfo, AgentList, CreateSession, ErrorType, ExecutionStatus, Health,
+    InterruptResponse, ListSessionsQuery, MessageList, NodeList, PermissionReply, PromptRequest,
+    PromptResponse, QuestionReply, Ready, Session, SessionList, SessionStatus, UpdateSession,
 };
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{OwnerId, RequestId, SessionId};
@@ -25,6 +25,7 @@ use crate::event::{log, view};
 use crate::execution;
 use crate::inbox::{self, Admission, Admitted};
 use crate::request::{self, Reply};
+use crate::runner;
 use crate::store;
 
 type Result<T> = std::result::Result<T, ApiError>;
@@ -93,15 +94,14 @@ fn model(state: &AppState, text: &str) -> Result<ModelRef> {
     Ok(model)
 }
 
-fn agent(state: &AppState, name: &str) -> Result<String> {
-    if name == "build" || state.config.agent.contains_key(name) {
-        Ok(name.to_owned())
-    } else {
-        Err(ApiError::new(
+/// The agent named `name`, or a 422.
+fn agent(state: &AppState, name: &str) -> Result<runner::Agent> {
+    state.runner.agent(name).ok_or_else(|| {
+        ApiError::new(
             ErrorType::Unprocessable,
             format!("no agent `{name}` is configured"),
-        ))
-    }
+        )
+    })
 }
 
 pub async fn create_session(
@@ -121,11 +121,14 @@ pub async fn create_session(
             "the directory {directory} does not exist"
         )));
     }
-    let model = model(
-        &state,
-        body.model.as_deref().unwrap_or(&state.config.default_model),
-    )?;
-    let agent = agent(&state, body.agent.as_deref().unwrap_or("build"))?;
+    let name = body.agent.unwrap_or_else(|| "build".to_owned());
+    let chosen = agent(&state, &name)?;
+    let model = match (body.model, chosen.model) {
+        (Some(text), _) => model(&state, &text)?,
+        (None, Some(model)) => model,
+        (None, None) => model(&state, &state.config.default_model)?,
+    };
+    let agent = name;
     let id = SessionId::new();
     let written = state
         .store
@@ -186,14 +189,20 @@ pub async fn update_session(
     if let Some(title) = body.title {
         events.push(DurableEvent::Renamed(payload::Renamed { title }));
     }
+    let mut switched_to = None;
     if let Some(name) = body.agent {
+        switched_to = agent(&state, &name)?.model;
         events.push(DurableEvent::AgentSwitched(payload::AgentSwitched {
-            agent: agent(&state, &name)?,
+            agent: name,
         }));
     }
-    if let Some(text) = body.model {
+    let model = match body.model {
+        Some(text) => Some(model(&state, &text)?),
+        None => switched_to.filter(|m| *m != session.model),
+    };
+    if let Some(model) = model {
         events.push(DurableEvent::ModelSwitched(payload::ModelSwitched {
-            model: model(&state, &text)?,
+            model,
         }));
     }
     let written = state.store.append(id, events).await?;
@@ -462,6 +471,22 @@ pub async fn messages(
     let id = session.id;
     let items = state.store.read(move |c| view::messages(c, id)).await?;
     Ok(Json(MessageList { items }))
+}
+
+pub async fn agents(State(state): State<AppState>) -> Json<AgentList> {
+    let items = state
+        .runner
+        .agents()
+        .into_iter()
+        .map(|(name, agent, tools)| AgentInfo {
+            name,
+            model: agent.model,
+            tools,
+            max_steps: agent.max_steps,
+            temperature: agent.temperature,
+        })
+        .collect();
+    Json(AgentList { items })
 }
 
 pub async fn nodes(State(state): State<AppState>) -> Result<Json<NodeList>> {

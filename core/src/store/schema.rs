@@ -101,6 +101,8 @@ diesel::table! {
         state -> Text,
         reply -> Nullable<Text>,
         always -> Bool,
+        pattern -> Text,
+        rule -> Nullable<Text>,
     }
 }
 

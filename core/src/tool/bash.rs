@@ -25,6 +25,7 @@
 
 use std::io::{self, Read as _};
 use std::os::unix::process::ExitStatusExt as _;
+use std::path::Path;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
@@ -79,7 +80,7 @@ impl Tool for Bash {
         input::schema::<Input>()
     }
 
-    fn permission_pattern(&self, input: &Value) -> String {
+    fn permission_pattern(&self, input: &Value, _root: &Path) -> String {
         input::field(input, "command", "").to_owned()
     }
 

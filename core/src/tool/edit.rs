@@ -8,6 +8,7 @@ use keel_schema::types::Effect;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::path::Path;
 
 use super::path::{self, Resolved};
 use super::{Context, Error, Output, Run, Tool, blocking, input, text};
@@ -46,8 +47,8 @@ impl Tool for Edit {
         input::schema::<Input>()
     }
 
-    fn permission_pattern(&self, input: &Value) -> String {
-        input::field(input, "path", "").to_owned()
+    fn permission_pattern(&self, input: &Value, root: &Path) -> String {
+        path::permission_path(root, input::field(input, "path", ""))
     }
 
     fn run<'a>(&'a self, input: Value, context: &'a Context) -> Run<'a> {

@@ -48,7 +48,7 @@ impl Tool for Glob {
         input::schema::<Input>()
     }
 
-    fn permission_pattern(&self, input: &Value) -> String {
+    fn permission_pattern(&self, input: &Value, _root: &Path) -> String {
         input::field(input, "pattern", "").to_owned()
     }
 

@@ -8,6 +8,7 @@
 //! many lines match.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 
 use keel_schema::types::Effect;
 use regex::Regex;
@@ -58,7 +59,7 @@ impl Tool for Grep {
         input::schema::<Input>()
     }
 
-    fn permission_pattern(&self, input: &Value) -> String {
+    fn permission_pattern(&self, input: &Value, _root: &Path) -> String {
         input::field(input, "pattern", "").to_owned()
     }
 

@@ -64,6 +64,16 @@ pub(crate) fn resolve(root: &Path, input: &str) -> Result<Resolved, Error> {
     })
 }
 
+/// What permission rules see of `input`: where it really is (symlinks followed), relative
+/// to `root`, `/` separated; `input` as written when it cannot be resolved or leaves
+/// `root` (the tool then refuses it anyway).
+pub(crate) fn permission_path(root: &Path, input: &str) -> String {
+    match resolve(root, input) {
+        Ok(resolved) => shown(root, &resolved.real),
+        Err(_) => input.to_owned(),
+    }
+}
+
 /// `path` relative to `root` as the model sees it.
 pub(crate) fn shown(root: &Path, path: &Path) -> String {
     let relative = path.strip_prefix(root).unwrap_or(path);

@@ -68,8 +68,8 @@ impl Tool for Read {
         input::schema::<Input>()
     }
 
-    fn permission_pattern(&self, input: &Value) -> String {
-        input::field(input, "path", "").to_owned()
+    fn permission_pattern(&self, input: &Value, root: &Path) -> String {
+        path::permission_path(root, input::field(input, "path", ""))
     }
 
     fn run<'a>(&'a self, input: Value, context: &'a Context) -> Run<'a> {

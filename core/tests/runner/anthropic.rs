@@ -370,6 +370,7 @@ fn request() -> Request {
         tools: std::sync::Arc::from([]),
         tool_choice: ToolChoice::Auto,
         max_output_tokens: Some(256),
+        temperature: None,
     }
 }
 

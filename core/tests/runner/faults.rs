@@ -151,7 +151,7 @@ impl keel_core::tool::Tool for Stubborn {
     fn input_schema(&self) -> serde_json::Value {
         json!({"type": "object"})
     }
-    fn permission_pattern(&self, _: &serde_json::Value) -> String {
+    fn permission_pattern(&self, _: &serde_json::Value, _: &std::path::Path) -> String {
         "stubborn".into()
     }
     fn run<'a>(

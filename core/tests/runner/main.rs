@@ -13,6 +13,7 @@ macro_rules! assert_outcome {
 
 mod support;
 
+mod agents;
 mod anthropic;
 mod cancellation;
 mod compaction;

@@ -416,6 +416,7 @@ fn request() -> Request {
         tools: std::sync::Arc::from([]),
         tool_choice: ToolChoice::Auto,
         max_output_tokens: None,
+        temperature: None,
     }
 }
 

@@ -1,11 +1,10 @@
 //! Permission policies and questions: durable requests, durable replies, and a step that
 //! waits for a person with no process holding its session.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use keel_core::request;
-use keel_core::runner::{Agent, Live, Policy, Reply, Runner};
+use keel_core::runner::{Agent, Live, Permissions, Policy, Reply, Rule, Runner};
 use keel_schema::event::DurableEvent;
 use keel_schema::id::{RequestId, SessionId};
 use keel_schema::types::{Decision, InterruptReason, Outcome};
@@ -16,7 +15,7 @@ use crate::support::{Harness, Setup, call, script, text};
 
 fn asking(tool: &str, policy: Policy) -> Agent {
     Agent {
-        permissions: HashMap::from([(tool.to_owned(), policy)]),
+        permissions: Permissions::allow_all().with(tool, Rule::Policy(policy)),
         ..Agent::default()
     }
 }

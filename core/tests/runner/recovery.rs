@@ -253,7 +253,7 @@ async fn max_steps_counts_the_execution_s_steps_across_a_recovery() {
         ])),
         agent: Some(keel_core::runner::Agent {
             max_steps: 2,
-            ..keel_core::runner::Agent::default()
+            ..crate::support::trusting()
         }),
         ..Setup::default()
     })

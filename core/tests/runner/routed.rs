@@ -1,14 +1,13 @@
 //! Interrupts of an execution another process runs: recorded on its claim before they
 //! are acknowledged, so neither a lost message nor the owner's death can undo them.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_core::coordinator::RunError;
 use keel_core::execution;
 use keel_core::recovery::Recovery;
-use keel_core::runner::{Agent, Error, Forwarder, Policy, Runner};
+use keel_core::runner::{Agent, Error, Forwarder, Permissions, Policy, Rule, Runner};
 use keel_schema::event::DurableEvent;
 use keel_schema::id::{ExecutionId, OwnerId, SessionId};
 use keel_schema::types::{InterruptReason, Phase};
@@ -246,7 +245,7 @@ async fn an_interrupt_recorded_as_the_step_starts_waiting_ends_the_step_instead_
             vec![text("Must not run.")],
         ])),
         agent: Some(Agent {
-            permissions: HashMap::from([("probe".to_owned(), Policy::Ask)]),
+            permissions: Permissions::allow_all().with("probe", Rule::Policy(Policy::Ask)),
             ..Agent::default()
         }),
         failpoint: Some(failpoint),

@@ -215,7 +215,7 @@ async fn the_last_allowed_step_disables_tool_use_but_keeps_the_definitions() {
         script: Some(script(vec![vec![call("probe", json!({}))]])),
         agent: Some(Agent {
             max_steps: 2,
-            ..Agent::default()
+            ..crate::support::trusting()
         }),
         ..Setup::default()
     })

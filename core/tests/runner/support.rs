@@ -11,7 +11,7 @@ use keel_core::inbox::{self, Admission};
 use keel_core::instructions::Instructions;
 use keel_core::provider::scripted::{Item, Response, Script, Scripted};
 use keel_core::provider::{self, Event, EventStream, Provider};
-use keel_core::runner::{self, Agent, Runner, Settings};
+use keel_core::runner::{self, Agent, Permissions, Runner, Settings};
 use keel_core::store::{self, DbUrl, Failpoint, Options, Store};
 use keel_core::tool::{self, Context, Output, Registry, Run, Tool};
 use keel_schema::event::{DurableEvent, Envelope, payload};
@@ -42,7 +42,7 @@ impl Tool for Gate {
     fn input_schema(&self) -> Value {
         json!({"type": "object"})
     }
-    fn permission_pattern(&self, _: &Value) -> String {
+    fn permission_pattern(&self, _: &Value, _: &std::path::Path) -> String {
         "gate".into()
     }
     fn run<'a>(&'a self, input: Value, context: &'a Context) -> Run<'a> {
@@ -82,7 +82,7 @@ impl Tool for Probe {
     fn input_schema(&self) -> Value {
         json!({"type": "object"})
     }
-    fn permission_pattern(&self, _: &Value) -> String {
+    fn permission_pattern(&self, _: &Value, _: &std::path::Path) -> String {
         "probe".into()
     }
     fn run<'a>(&'a self, _: Value, _: &'a Context) -> Run<'a> {
@@ -239,6 +239,15 @@ pub fn call(name: &str, input: Value) -> Item {
     }
 }
 
+/// The built-in agent with every call allowed: what tests run with unless they set an
+/// agent of their own (Keel's default asks before a tool that writes).
+pub fn trusting() -> Agent {
+    Agent {
+        permissions: Permissions::allow_all(),
+        ..Agent::default()
+    }
+}
+
 #[derive(Default)]
 pub struct Setup {
     pub script: Option<Script>,
@@ -306,7 +315,7 @@ impl Harness {
         providers.insert("driven".into(), driven.clone());
         providers.extend(setup.providers);
         let mut agents = HashMap::new();
-        agents.insert("build".into(), setup.agent.unwrap_or_default());
+        agents.insert("build".into(), setup.agent.unwrap_or_else(trusting));
         let owner = OwnerId::new();
         let settings = Settings {
             owner,
@@ -468,7 +477,7 @@ impl Harness {
             "build".into(),
             Agent {
                 system: system.into(),
-                ..Agent::default()
+                ..trusting()
             },
         );
         Runner::new(self.store.clone(), settings)

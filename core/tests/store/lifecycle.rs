@@ -126,6 +126,7 @@ pub async fn write(store: &Store) -> SessionId {
                     call_id: write_call,
                     tool: "write".into(),
                     pattern: "tests/login.rs".into(),
+                    rule: None,
                 }),
                 DurableEvent::PermissionReplied(payload::PermissionReplied {
                     request_id: refused,
@@ -281,6 +282,8 @@ pub type RequestRow = (
     String,
     Option<String>,
     bool,
+    String,
+    Option<String>,
 );
 
 pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
@@ -357,6 +360,8 @@ pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
             session_request::state,
             session_request::reply,
             session_request::always,
+            session_request::pattern,
+            session_request::rule,
         ))
         .load(connection)
         .unwrap();

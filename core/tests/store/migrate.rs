@@ -355,7 +355,8 @@ async fn a_populated_database_migrated_from_the_initial_schema_keeps_its_rows_an
     use keel_core::store::schema::session_message;
 
     // Newest first: the order they are taken back in.
-    const LATER: [&str; 3] = [
+    const LATER: [&str; 4] = [
+        "2026-12-04-000002_permission_rule",
         "2026-12-04-000001_context_epoch_system",
         "2026-12-03-000002_session_request",
         "2026-12-03-000001_message_updated_seq",
@@ -452,7 +453,9 @@ async fn a_populated_database_migrated_from_the_initial_schema_keeps_its_rows_an
         .await
         .unwrap();
     assert_eq!(updated, vec![last_seq; kept.len()]);
-    // Requests are rebuilt from the log, settled, without the reply they had.
+    // Requests are rebuilt from the log, settled, without the reply they had; a
+    // permission keeps its pattern, and an `always` answered before rules allowed the
+    // whole tool, as it did then.
     let settled: Vec<_> = before
         .requests
         .iter()
@@ -460,6 +463,9 @@ async fn a_populated_database_migrated_from_the_initial_schema_keeps_its_rows_an
             let mut r = r.clone();
             r.5 = "settled".into();
             r.6 = None;
+            if r.2 == "permission" {
+                r.9 = Some("*".into());
+            }
             r
         })
         .collect();

@@ -451,6 +451,7 @@ async fn a_reply_is_projected_only_onto_a_pending_request_of_its_kind(db: TestDb
                     call_id: call,
                     tool: "write".into(),
                     pattern: "a.txt".into(),
+                    rule: None,
                 }),
             ],
         )

@@ -65,6 +65,7 @@ fn builtins_are_the_seven_spec_tools_with_their_effects_and_schemas() {
 
 #[test]
 fn permission_patterns_are_the_command_the_path_or_the_pattern() {
+    let s = Session::new();
     let cases = [
         ("bash", json!({ "command": "cargo test" }), "cargo test"),
         ("read", json!({ "path": "src/a.rs" }), "src/a.rs"),
@@ -75,8 +76,39 @@ fn permission_patterns_are_the_command_the_path_or_the_pattern() {
         ("grep", json!({ "pattern": "fn main" }), "fn main"),
     ];
     for (name, input, pattern) in cases {
-        assert_eq!(tool(name).permission_pattern(&input), pattern, "{name}");
+        assert_eq!(
+            tool(name).permission_pattern(&input, &s.root),
+            pattern,
+            "{name}"
+        );
     }
+}
+
+#[test]
+fn a_file_tools_permission_pattern_is_where_the_path_really_is_inside_the_session() {
+    let s = Session::new();
+    s.file("secrets/key.txt", "k");
+    s.link("docs", s.root.join("secrets"));
+    let absolute = s.root.join("secrets/key.txt");
+    let cases = [
+        "./secrets/key.txt",
+        "secrets/./x/../key.txt",
+        absolute.to_str().unwrap(),
+        // A symlink is checked as what it reaches.
+        "docs/key.txt",
+    ];
+    for path in cases {
+        assert_eq!(
+            tool("read").permission_pattern(&json!({ "path": path }), &s.root),
+            "secrets/key.txt",
+            "{path}"
+        );
+    }
+    // A path that leaves the session is left as written; the tool refuses it.
+    assert_eq!(
+        tool("read").permission_pattern(&json!({ "path": "../outside/secret.txt" }), &s.root),
+        "../outside/secret.txt"
+    );
 }
 
 #[tokio::test]

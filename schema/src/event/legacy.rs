@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::Example;
 use super::payload::{self, sample};
-use crate::id::{CallId, ExecutionId, MessageId};
+use crate::id::{CallId, ExecutionId, MessageId, RequestId};
 use crate::types::{ErrorInfo, Finish, Outcome, ToolContent, Usage};
 
 /// `session.next.tool.success` version 1: every result carried its raw `result` beside the
@@ -144,6 +144,42 @@ impl Example for ExecutionSettledV1 {
             execution_id: sample::execution(),
             outcome: OutcomeV1::Succeeded,
             error: None,
+        }
+    }
+}
+
+/// `session.next.permission.requested` version 1: no permission rules yet, so no `rule`;
+/// an `always` answer allowed every later call of the tool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PermissionRequestedV1 {
+    pub request_id: RequestId,
+    pub call_id: CallId,
+    pub tool: String,
+    /// What the permission would cover, e.g. a command or a path.
+    pub pattern: String,
+}
+
+impl From<PermissionRequestedV1> for payload::PermissionRequested {
+    /// The rule is `*`: what an `always` answer to a version 1 request allowed.
+    fn from(old: PermissionRequestedV1) -> Self {
+        Self {
+            request_id: old.request_id,
+            call_id: old.call_id,
+            tool: old.tool,
+            pattern: old.pattern,
+            rule: Some("*".into()),
+        }
+    }
+}
+
+impl Example for PermissionRequestedV1 {
+    fn example() -> Self {
+        Self {
+            request_id: sample::request(),
+            call_id: sample::call(),
+            tool: "bash".into(),
+            pattern: "cargo test".into(),
         }
     }
 }

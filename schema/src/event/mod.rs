@@ -252,7 +252,8 @@ events! {
         ToolSuccess(payload::ToolSuccess) = "session.next.tool.success" @ 2,
             legacy [1 => legacy::ToolSuccessV1];
         ToolFailed(payload::ToolFailed) = "session.next.tool.failed" @ 1;
-        PermissionRequested(payload::PermissionRequested) = "session.next.permission.requested" @ 1;
+        PermissionRequested(payload::PermissionRequested) = "session.next.permission.requested" @ 2,
+            legacy [1 => legacy::PermissionRequestedV1];
         PermissionReplied(payload::PermissionReplied) = "session.next.permission.replied" @ 1;
         QuestionAsked(payload::QuestionAsked) = "session.next.question.asked" @ 1;
         QuestionAnswered(payload::QuestionAnswered) = "session.next.question.answered" @ 1;

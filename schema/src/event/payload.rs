@@ -523,8 +523,13 @@ pub struct PermissionRequested {
     pub request_id: RequestId,
     pub call_id: CallId,
     pub tool: String,
-    /// What the permission would cover, e.g. a command or a path.
+    /// What the call would touch, e.g. a command or a path.
     pub pattern: String,
+    /// The pattern of the agent's permission rule that asked (`git push *`), when one
+    /// did: an `always` reply allows every later call it matches. Absent: an `always`
+    /// allows only calls with this exact `pattern`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }
 
 impl Example for PermissionRequested {
@@ -534,6 +539,7 @@ impl Example for PermissionRequested {
             call_id: sample::call(),
             tool: "bash".into(),
             pattern: "cargo test".into(),
+            rule: Some("cargo *".into()),
         }
     }
 }

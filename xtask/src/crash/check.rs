@@ -138,8 +138,10 @@ pub(super) fn check_session(
 /// (`--permissions`): every acknowledged reply is in the log as sent, no request has two
 /// replies, no call succeeded after a rejection, and every call of a tool that asks
 /// (`asking`) that succeeded, or (`bash`) ran, was allowed: by its own reply, or by an
-/// `always` for its tool (given before its success; for a run seen only in the side
-/// file, anywhere in the log, since a sibling's `always` may come after its call).
+/// `always` to a request of its tool about the same command or path (the campaign's
+/// rules are one word per tool, so no request names a pattern `rule`), given before its
+/// success; for a run seen only in the side file, anywhere in the log, since a sibling's
+/// `always` may come after its call.
 pub(super) fn check_permissions(
     session: SessionId,
     log: &[Envelope],
@@ -149,31 +151,44 @@ pub(super) fn check_permissions(
     violations: &mut Vec<String>,
 ) {
     let mut fail = |what: String| violations.push(format!("{session}: {what}"));
-    // Request → (call, tool); call → its request; request → its replies, in order.
-    let mut requests: HashMap<RequestId, (String, String)> = HashMap::new();
+    // Request → (call, (tool, pattern)); call → its request; request → its replies, in
+    // order.
+    let mut requests: HashMap<RequestId, (String, (String, String))> = HashMap::new();
     let mut request_of: HashMap<String, RequestId> = HashMap::new();
     let mut decisions: HashMap<RequestId, Vec<Decision>> = HashMap::new();
-    // Per tool, the seq of its first `always`.
-    let mut always_at: HashMap<String, u64> = HashMap::new();
-    // Calls of asking tools: call → tool, and the seq of their success.
-    let mut asked_calls: HashMap<String, String> = HashMap::new();
+    // Per tool and pattern, the seq of its first `always`.
+    let mut always_at: HashMap<(String, String), u64> = HashMap::new();
+    // Calls of asking tools: call → (tool, what it touches), and the seq of their success.
+    let mut asked_calls: HashMap<String, (String, String)> = HashMap::new();
     let mut succeeded_at: HashMap<String, u64> = HashMap::new();
     for envelope in log {
         match &envelope.event {
             DurableEvent::PermissionRequested(r) => {
-                requests.insert(r.request_id, (r.call_id.to_string(), r.tool.clone()));
+                if let Some(rule) = &r.rule {
+                    fail(format!(
+                        "request {} names the rule `{rule}`, which no rule of the campaign has",
+                        r.request_id
+                    ));
+                }
+                let asked = (r.tool.clone(), r.pattern.clone());
+                requests.insert(r.request_id, (r.call_id.to_string(), asked));
                 request_of.insert(r.call_id.to_string(), r.request_id);
             }
             DurableEvent::PermissionReplied(r) => {
                 decisions.entry(r.request_id).or_default().push(r.decision);
                 if r.decision == Decision::Always
-                    && let Some((_, tool)) = requests.get(&r.request_id)
+                    && let Some((_, asked)) = requests.get(&r.request_id)
                 {
-                    always_at.entry(tool.clone()).or_insert(envelope.seq);
+                    always_at.entry(asked.clone()).or_insert(envelope.seq);
                 }
             }
             DurableEvent::ToolCalled(c) if asking.contains(&c.name.as_str()) => {
-                asked_calls.insert(c.call_id.to_string(), c.name.clone());
+                // What its permission covers: the command, or the (plain, relative) path.
+                let touches = c.input["command"]
+                    .as_str()
+                    .or(c.input["path"].as_str())
+                    .unwrap_or_default();
+                asked_calls.insert(c.call_id.to_string(), (c.name.clone(), touches.to_owned()));
             }
             DurableEvent::ToolSuccess(r) => {
                 succeeded_at.insert(r.call_id.to_string(), envelope.seq);
@@ -221,8 +236,9 @@ pub(super) fn check_permissions(
             )
         })
     };
-    for (call, tool) in &asked_calls {
-        let always = always_at.get(tool).copied();
+    for (call, asked) in &asked_calls {
+        let tool = &asked.0;
+        let always = always_at.get(asked).copied();
         if let Some(&at) = succeeded_at.get(call) {
             if !allowed_by_reply(call) && always.is_none_or(|always| always >= at) {
                 fail(format!(
@@ -232,5 +248,92 @@ pub(super) fn check_permissions(
         } else if runs.contains_key(call.as_str()) && !allowed_by_reply(call) && always.is_none() {
             fail(format!("{tool} call {call} ran without being allowed"));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_client::schema::event::payload;
+    use keel_client::schema::id::{CallId, EventId, MessageId};
+    use keel_client::schema::types::Effect;
+    use serde_json::json;
+
+    use super::*;
+
+    /// A log of one session: `bash` calls of `commands`, the first asked and answered
+    /// `always`, every call succeeding.
+    fn log(session: SessionId, commands: &[&str]) -> Vec<Envelope> {
+        let message = MessageId::new();
+        let request = RequestId::new();
+        let mut events = Vec::new();
+        for (n, command) in commands.iter().enumerate() {
+            let call_id = CallId::new();
+            events.push(DurableEvent::ToolCalled(payload::ToolCalled {
+                assistant_message_id: message,
+                call_id,
+                name: "bash".into(),
+                input: json!({ "command": command }),
+                provider_executed: false,
+                effect: Effect::Write,
+                provider_call_id: None,
+            }));
+            if n == 0 {
+                events.push(DurableEvent::PermissionRequested(
+                    payload::PermissionRequested {
+                        request_id: request,
+                        call_id,
+                        tool: "bash".into(),
+                        pattern: (*command).into(),
+                        rule: None,
+                    },
+                ));
+                events.push(DurableEvent::PermissionReplied(
+                    payload::PermissionReplied {
+                        request_id: request,
+                        decision: Decision::Always,
+                    },
+                ));
+            }
+            events.push(DurableEvent::ToolSuccess(payload::ToolSuccess {
+                call_id,
+                structured: json!({}),
+                content: Vec::new(),
+                result: None,
+            }));
+        }
+        events
+            .into_iter()
+            .enumerate()
+            .map(|(n, event)| Envelope {
+                id: EventId::new(),
+                session_id: session,
+                seq: n as u64 + 1,
+                time: 0,
+                event,
+            })
+            .collect()
+    }
+
+    fn violations(commands: &[&str]) -> Vec<String> {
+        let session = SessionId::new();
+        let mut violations = Vec::new();
+        let log = log(session, commands);
+        check_permissions(
+            session,
+            &log,
+            &[],
+            &["bash"],
+            &HashMap::new(),
+            &mut violations,
+        );
+        violations
+    }
+
+    #[test]
+    fn an_always_covers_later_calls_of_the_same_command_and_no_other() {
+        assert_eq!(violations(&["make", "make"]), Vec::<String>::new());
+        let other = violations(&["make", "rm -rf /"]);
+        assert_eq!(other.len(), 1, "{other:?}");
+        assert!(other[0].contains("succeeded without being allowed"));
     }
 }

@@ -127,10 +127,13 @@ fixed_query! {
         kind: &'a str,
         tool: &'a str,
         asked_seq: i64,
+        pattern: &'a str,
+        rule: Option<&'a str>,
     }
-    sql r#"INSERT INTO "session_request" ("id", "session_id", "call_id", "kind", "tool", "asked_seq", "state", "always") VALUES ("#
+    sql r#"INSERT INTO "session_request" ("id", "session_id", "call_id", "kind", "tool", "asked_seq", "state", "always", "pattern", "rule") VALUES ("#
         {id: Text} ", " {session_id: Text} ", " {call_id: Text} ", " {kind: Text} ", "
-        {tool: Text} ", " {asked_seq: BigInt} ", 'pending', FALSE)"
+        {tool: Text} ", " {asked_seq: BigInt} ", 'pending', FALSE, " {pattern: Text} ", "
+        {rule: Nullable<Text>} ")"
 }
 
 fixed_query! {

@@ -49,8 +49,13 @@ pub(super) fn body(request: &Request, thinking_budget: Option<u32>) -> Value {
             ToolChoice::None => json!({"type": "none"}),
         };
     }
-    if let Some(budget) = thinking_budget {
-        body["thinking"] = json!({"type": "enabled", "budget_tokens": budget});
+    match (thinking_budget, request.temperature) {
+        (Some(budget), _) => {
+            // The API refuses any temperature but its own with extended thinking.
+            body["thinking"] = json!({"type": "enabled", "budget_tokens": budget});
+        }
+        (None, Some(temperature)) => body["temperature"] = temperature.into(),
+        (None, None) => {}
     }
     body["stream"] = true.into();
     body

@@ -56,6 +56,9 @@ pub(super) fn body(request: &Request, limit_field: &str) -> Value {
     if let Some(max) = request.max_output_tokens {
         body[limit_field] = max.into();
     }
+    if let Some(temperature) = request.temperature {
+        body["temperature"] = temperature.into();
+    }
     body
 }
 

@@ -19,6 +19,7 @@ fn request(turns: Vec<Turn>) -> Request {
         .into(),
         tool_choice: ToolChoice::Auto,
         max_output_tokens: None,
+        temperature: None,
     }
 }
 
@@ -233,6 +234,20 @@ fn tool_output_keeps_images_and_leaves_out_empty_text() {
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}},
             {"type": "text", "text": "[audio/wav output, 8 bytes of base64, not shown]"},
         ]}])
+    );
+}
+
+#[test]
+fn a_temperature_is_sent_except_with_extended_thinking() {
+    let mut warm = request(vec![user("hi")]);
+    warm.temperature = Some(0.5);
+    assert_eq!(body(&warm, None)["temperature"], json!(0.5));
+    let thinking = body(&warm, Some(4_000));
+    assert!(thinking.get("temperature").is_none(), "{thinking}");
+    assert!(
+        body(&request(vec![user("hi")]), None)
+            .get("temperature")
+            .is_none()
     );
 }
 

@@ -1,0 +1,2 @@
+ALTER TABLE session_request DROP COLUMN rule;
+ALTER TABLE session_request DROP COLUMN pattern;
