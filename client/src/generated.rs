@@ -104,6 +104,12 @@ impl Client {
             .await
     }
 
+    /// `GET /api/mcp`: The MCP tool servers of keel.toml: whether each is idle, starting, ready or failed (with the reason), and the tools it offers.
+    pub async fn mcp_servers(&self) -> Result<McpServerList, Error> {
+        self.call_json(reqwest::Method::GET, "/api/mcp".to_owned(), None::<&()>, None::<&()>)
+            .await
+    }
+
     /// `GET /api/nodes`: The live Keel processes sharing the database, with the sessions each owns.
     pub async fn nodes(&self) -> Result<NodeList, Error> {
         self.call_json(reqwest::Method::GET, "/api/nodes".to_owned(), None::<&()>, None::<&()>)

@@ -373,6 +373,10 @@ pub const ROUTES: &[Route] = &[
     ),
     Route::get("/api/agents", "agents", json(200, ty!(AgentList)))
         .summary("The agents sessions can use, with each one's model and the tools it offers."),
+    Route::get("/api/mcp", "mcp_servers", json(200, ty!(McpServerList))).summary(
+        "The MCP tool servers of keel.toml: whether each is idle, starting, ready or failed \
+         (with the reason), and the tools it offers.",
+    ),
     Route::get("/api/nodes", "nodes", json(200, ty!(NodeList)))
         .summary("The live Keel processes sharing the database, with the sessions each owns."),
     Route::get("/openapi.json", "openapi", json(200, OPENAPI_DOCUMENT)).summary("This contract."),

@@ -81,6 +81,7 @@ impl Bench {
                 models: HashMap::new(),
                 instructions: Instructions::none(),
                 prices: HashMap::new(),
+                mcp: Default::default(),
             },
         );
         let workspace = tempfile::tempdir().unwrap();

@@ -28,6 +28,9 @@
 //! max_steps = 50
 //! [agent.build.permissions]
 //! bash = "ask"                   # allow (default), ask, deny
+//! [mcp.github]                   # MCP tool servers (crate::mcp): command + args + env
+//! url = "https://…/mcp"          # (stdio) or url + headers (streamable HTTP); see
+//! headers = { Authorization = "Bearer ${GITHUB_TOKEN}" }   # docs/tools.md
 //! [instructions]                 # project instructions (crate::instructions)
 //! files = ["AGENTS.md", "CLAUDE.md"]   # per directory, the first that exists
 //! global = "team/AGENTS.md"     # optional, relative to this file; "" for none; by
@@ -41,10 +44,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_schema::types::ModelRef;
+use keel_schema::types::{Effect, ModelRef};
 use serde::Deserialize;
 
 use crate::instructions::Instructions;
+use crate::mcp;
 use crate::permission::{Policy, Rule};
 use crate::provider::anthropic::Anthropic;
 use crate::provider::openai::OpenAi;
@@ -200,6 +204,33 @@ pub enum PermissionConfig {
     Patterns(HashMap<String, String>),
 }
 
+/// `[mcp.NAME]`: an MCP tool server, reached by `command` (stdio) or `url` (streamable
+/// HTTP).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpConfig {
+    pub command: Option<String>,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: HashMap<String, String>,
+    pub url: Option<String>,
+    /// Header values may name environment variables: `"Bearer ${GITHUB_TOKEN}"`.
+    #[serde(default)]
+    pub headers: HashMap<String, String>,
+    pub enabled: Option<bool>,
+    /// How long starting, and each call, may take.
+    pub timeout_ms: Option<u64>,
+    /// Which of its tools are offered (name patterns); all by default.
+    pub tools: Option<Vec<String>>,
+    /// `first-use` (the default) or `serve`: started with the node.
+    pub start: Option<String>,
+    /// Effect classes by the server's tool name: `read` or `write`, overriding the
+    /// tool's annotations.
+    #[serde(default)]
+    pub effects: HashMap<String, String>,
+}
+
 /// `[instructions]`: which project instruction files every agent is given.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -225,6 +256,8 @@ pub struct Config {
     pub agent: HashMap<String, AgentConfig>,
     #[serde(default)]
     pub instructions: InstructionsConfig,
+    #[serde(default)]
+    pub mcp: HashMap<String, McpConfig>,
     /// Where relative paths in the file are resolved from.
     #[serde(skip)]
     pub base: PathBuf,
@@ -253,6 +286,7 @@ impl Default for Config {
             model: HashMap::new(),
             agent: HashMap::new(),
             instructions: InstructionsConfig::default(),
+            mcp: HashMap::new(),
             base: PathBuf::from("."),
         }
     }
@@ -430,6 +464,116 @@ impl Config {
         }
     }
 
+    /// The enabled MCP servers, sorted by name. Tool names a server could offer that clash
+    /// with a built-in tool, or two servers whose names clash once sanitised, are refused.
+    pub fn mcp_servers(&self) -> Result<Vec<mcp::Spec>, Error> {
+        let mut names: Vec<&String> = self.mcp.keys().collect();
+        names.sort();
+        let mut specs = Vec::new();
+        let mut exposed: HashMap<String, &str> = HashMap::new();
+        for name in names {
+            let entry = &self.mcp[name];
+            let invalid = |what: String| Error::Invalid(format!("mcp server `{name}`: {what}"));
+            if name.is_empty() {
+                return Err(invalid("the name is empty".into()));
+            }
+            let prefix = mcp::exposed_name(name, "");
+            if let Some(other) = exposed.insert(prefix.clone(), name) {
+                return Err(invalid(format!(
+                    "its tools would be named like those of `{other}` (`{prefix}…`)"
+                )));
+            }
+            if let Some(builtin) = crate::tool::builtins()
+                .iter()
+                .find(|t| t.name().starts_with(&prefix))
+            {
+                return Err(invalid(format!(
+                    "its tools would be named like the built-in `{}`",
+                    builtin.name()
+                )));
+            }
+            if entry.enabled == Some(false) {
+                continue;
+            }
+            let transport = match (&entry.command, &entry.url) {
+                (Some(command), None) => {
+                    if !entry.headers.is_empty() {
+                        return Err(invalid("`headers` go with `url`, not `command`".into()));
+                    }
+                    mcp::Transport::Stdio {
+                        command: command.clone(),
+                        args: entry.args.clone(),
+                        env: entry.env.clone(),
+                    }
+                }
+                (None, Some(url)) => {
+                    if !entry.args.is_empty() || !entry.env.is_empty() {
+                        return Err(invalid(
+                            "`args` and `env` go with `command`, not `url`".into(),
+                        ));
+                    }
+                    if !(url.starts_with("http://") || url.starts_with("https://")) {
+                        return Err(invalid(format!("`{url}` is not an http(s) URL")));
+                    }
+                    let mut headers = Vec::new();
+                    let mut keys: Vec<&String> = entry.headers.keys().collect();
+                    keys.sort();
+                    for key in keys {
+                        let value = expand_env(&entry.headers[key]).map_err(|var| {
+                            invalid(format!("header `{key}` names `{var}`, which is not set"))
+                        })?;
+                        headers.push((key.clone(), value));
+                    }
+                    mcp::Transport::Http {
+                        url: url.clone(),
+                        headers,
+                    }
+                }
+                _ => {
+                    return Err(invalid(
+                        "set either `command` (stdio) or `url` (HTTP)".into(),
+                    ));
+                }
+            };
+            let eager = match entry.start.as_deref() {
+                None | Some("first-use") => false,
+                Some("serve") => true,
+                Some(other) => {
+                    return Err(invalid(format!(
+                        "start `{other}` is not first-use or serve"
+                    )));
+                }
+            };
+            let mut effects = HashMap::new();
+            for (tool, effect) in &entry.effects {
+                let effect = match effect.as_str() {
+                    "read" => Effect::Read,
+                    "write" => Effect::Write,
+                    other => {
+                        return Err(invalid(format!(
+                            "the effect `{other}` of `{tool}` is not read or write"
+                        )));
+                    }
+                };
+                effects.insert(tool.clone(), effect);
+            }
+            let timeout = match entry.timeout_ms {
+                Some(0) => return Err(invalid("timeout_ms must be more than 0".into())),
+                Some(ms) => Duration::from_millis(ms),
+                None => mcp::DEFAULT_TIMEOUT,
+            };
+            specs.push(mcp::Spec {
+                name: name.clone(),
+                transport,
+                timeout,
+                tools: entry.tools.clone(),
+                eager,
+                effects,
+            });
+        }
+        Ok(specs)
+    }
+
     /// The agents, with `build` always present.
     pub fn agents(&self) -> Result<HashMap<String, Agent>, Error> {
         let mut agents = HashMap::from([("build".to_owned(), Agent::default())]);
@@ -510,6 +654,26 @@ impl Config {
         }
         Ok(agents)
     }
+}
+
+/// `text` with each `${VAR}` replaced by the variable's value; the name of the first one
+/// that is not set otherwise.
+fn expand_env(text: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let Some(end) = after.find('}') else {
+            out.push_str(&rest[start..]);
+            return Ok(out);
+        };
+        let var = &after[..end];
+        out.push_str(&std::env::var(var).map_err(|_| var.to_owned())?);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -806,5 +970,78 @@ mod tests {
         )
         .unwrap();
         assert!(config.providers().unwrap().contains_key("local"));
+    }
+
+    #[test]
+    fn mcp_servers_are_read_with_their_transport_headers_and_effects() {
+        let home = std::env::var("HOME").unwrap_or_default();
+        let config = Config::parse(
+            r#"
+            default_model = "demo/scripted"
+            [provider.demo]
+            kind = "scripted"
+            [mcp.files]
+            command = "files-server"
+            args = ["--root", "/srv"]
+            env = { LEVEL = "warn" }
+            start = "serve"
+            [mcp.web]
+            url = "http://127.0.0.1:9/mcp"
+            headers = { X-Home = "at ${HOME}" }
+            tools = ["get_*"]
+            timeout_ms = 500
+            effects = { get_page = "read" }
+            [mcp.off]
+            command = "x"
+            enabled = false
+            "#,
+        )
+        .unwrap();
+        let specs = config.mcp_servers().unwrap();
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["files", "web"]);
+        assert!(specs[0].eager);
+        assert!(matches!(&specs[0].transport,
+            mcp::Transport::Stdio { command, args, .. } if command == "files-server" && args.len() == 2));
+        assert_eq!(
+            specs[1].transport,
+            mcp::Transport::Http {
+                url: "http://127.0.0.1:9/mcp".into(),
+                headers: vec![("X-Home".into(), format!("at {home}"))],
+            }
+        );
+        assert_eq!(specs[1].timeout, Duration::from_millis(500));
+        assert_eq!(specs[1].effects["get_page"], Effect::Read);
+        assert!(!specs[1].eager);
+    }
+
+    #[test]
+    fn a_bad_mcp_server_is_named_with_what_is_wrong() {
+        let base = "default_model = \"demo/scripted\"\n[provider.demo]\nkind = \"scripted\"\n";
+        let error = |server: &str| {
+            Config::parse(&format!("{base}{server}"))
+                .unwrap()
+                .mcp_servers()
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(error("[mcp.a]\nargs = []\n").contains("either `command`"));
+        assert!(error("[mcp.a]\ncommand = \"x\"\nurl = \"http://h\"\n").contains("either"));
+        assert!(error("[mcp.a]\nurl = \"ftp://h\"\n").contains("not an http(s) URL"));
+        assert!(
+            error("[mcp.a]\nurl = \"http://h\"\nheaders = { T = \"${KEEL_UNSET_FOR_TEST}\" }\n")
+                .contains("`KEEL_UNSET_FOR_TEST`, which is not set")
+        );
+        assert!(
+            error("[mcp.a]\ncommand = \"x\"\nstart = \"now\"\n").contains("first-use or serve")
+        );
+        assert!(
+            error("[mcp.a]\ncommand = \"x\"\neffects = { t = \"maybe\" }\n")
+                .contains("read or write")
+        );
+        assert!(
+            error("[mcp.\"a.b\"]\ncommand = \"x\"\n[mcp.a_b]\ncommand = \"y\"\n")
+                .contains("named like those of")
+        );
     }
 }

@@ -13,6 +13,7 @@
 //! - [`coordinator`]: at most one drain per session; wakes, joins, interrupts.
 //! - [`provider`]: model requests as streams of LLM events; one adapter per API.
 //! - [`tool`]: the tools the model can call, confined to the session directory.
+//! - [`mcp`]: MCP tool servers, whose tools are offered beside the built-in ones.
 //! - [`permission`]: an agent's permission rules: allow, ask or deny, by tool and pattern.
 //! - [`request`]: permission requests and questions: durable waits for a person.
 //! - [`runner`]: drains a session through the model and its tools, fenced.
@@ -30,6 +31,7 @@ pub mod event;
 pub mod execution;
 pub mod inbox;
 pub mod instructions;
+pub mod mcp;
 pub mod node;
 pub mod permission;
 pub mod provider;

@@ -158,6 +158,7 @@ impl Node {
             models: options.config.models(),
             instructions: options.config.instructions(),
             prices: options.config.prices(),
+            mcp: Arc::new(crate::mcp::Servers::new(options.config.mcp_servers()?)),
         };
         let store = Store::open(options.db.clone(), options.store.clone()).await?;
         let runner = Runner::new(store.clone(), settings);
@@ -238,6 +239,9 @@ impl Node {
                 runner.shut_down(grace, STOP_SETTLE).await
             }
         });
+        // MCP servers configured to start with the node; the others start on first use.
+        let mcp = runner.mcp().clone();
+        tokio::spawn(async move { mcp.start_eager().await });
         // Executions abandoned by a dead process (or by this one, before a restart) are
         // taken over now and every half lease.
         let recovering = tokio::spawn(recovery::run(runner.clone(), lease_ms, stop.clone()));
@@ -247,6 +251,7 @@ impl Node {
             lease_ms,
             stop.clone(),
         ));
+        let mcp_servers = runner.mcp().clone();
         let state = Arc::new(Shared {
             store: store.clone(),
             runner,
@@ -281,6 +286,8 @@ impl Node {
         }
         renewal.cancel();
         renewing.abort();
+        // No step runs any more: the MCP servers can go (child processes are killed).
+        mcp_servers.shut_down().await;
         // The node leaves the list (bounded: a database that does not answer must not hold
         // the shutdown).
         drop(tokio::time::timeout(Duration::from_secs(2), registered).await);

@@ -112,6 +112,7 @@ pub fn router(state: AppState, limits: &Limits) -> Router {
         .route("/api/session/{id}/log", get(sse::session_log))
         .route("/api/event", get(sse::events))
         .route("/api/agents", get(routes::agents))
+        .route("/api/mcp", get(routes::mcp_servers))
         .route("/api/nodes", get(routes::nodes))
         .route("/openapi.json", get(routes::openapi))
         .fallback(routes::not_found)

@@ -108,6 +108,12 @@ pub enum Error {
     Interrupted,
     #[error("{0}")]
     Io(String),
+    /// An MCP server could not take the call: it failed to start, or exited.
+    #[error("{0}")]
+    Unavailable(String),
+    /// An MCP tool answered with an error result.
+    #[error("{0}")]
+    Failed(String),
 }
 
 impl Error {
@@ -121,6 +127,8 @@ impl Error {
             Self::Timeout(_) => "tool.timeout",
             Self::Interrupted => "tool.interrupted",
             Self::Io(_) => "tool.io",
+            Self::Unavailable(_) => "tool.unavailable",
+            Self::Failed(_) => "tool.error",
         };
         ErrorInfo::new(kind, self.to_string())
     }
@@ -131,9 +139,9 @@ pub type Run<'a> = Pin<Box<dyn Future<Output = Result<Output, Error>> + Send + '
 
 /// A tool.
 pub trait Tool: Send + Sync {
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &str;
     /// One or two sentences for the model.
-    fn description(&self) -> &'static str;
+    fn description(&self) -> &str;
     fn effect(&self) -> Effect;
     /// The JSON Schema of the input (draft 2020-12).
     fn input_schema(&self) -> Value;

@@ -429,6 +429,46 @@ pub struct AgentList {
     pub items: Vec<AgentInfo>,
 }
 
+/// Where an MCP server is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McpState {
+    /// Not started yet: it starts on first use.
+    Idle,
+    Starting,
+    Ready,
+    /// It failed to start or exited (`error` says why); it is started again on a later
+    /// use, after a backoff.
+    Failed,
+}
+
+/// A tool an MCP server offers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct McpTool {
+    /// The name the model sees: `SERVER_TOOL`.
+    pub name: String,
+    pub effect: Effect,
+}
+
+/// An MCP server of `keel.toml`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct McpServer {
+    pub name: String,
+    /// `stdio` or `http`.
+    pub transport: String,
+    pub state: McpState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Its tools, once it is ready.
+    pub tools: Vec<McpTool>,
+}
+
+/// `GET /api/mcp`, by name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct McpServerList {
+    pub items: Vec<McpServer>,
+}
+
 /// The kind of an API error; each maps to one HTTP status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]

@@ -497,5 +497,5 @@ async fn every_route_of_the_contract_is_served() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 20);
+    assert_eq!(checked, 21);
 }

@@ -86,13 +86,48 @@ impl Engine {
         lock(&self.held).get(&session).cloned()
     }
 
-    /// The tool definitions of agent `name`'s requests.
+    /// The built-in tool definitions of agent `name`'s requests.
     pub(super) fn specs(&self, agent: &str) -> Arc<[ToolSpec]> {
         self.specs
             .get(agent)
             .or_else(|| self.specs.get("build"))
             .cloned()
             .unwrap_or_default()
+    }
+
+    /// What a request of agent `name` offers the model: the built-in tools and those of
+    /// the MCP servers (started here on first use) that `agent` offers.
+    pub(super) async fn request_tools(&self, name: &str, agent: &Agent) -> Arc<[ToolSpec]> {
+        let builtin = self.specs(name);
+        if self.settings.mcp.is_empty() {
+            return builtin;
+        }
+        let served: Vec<ToolSpec> = self
+            .settings
+            .mcp
+            .tools()
+            .await
+            .iter()
+            .filter(|t| agent.offers(t.name()))
+            .map(|t| ToolSpec {
+                name: t.name().into(),
+                description: t.description().into(),
+                input_schema: t.input_schema(),
+            })
+            .collect();
+        if served.is_empty() {
+            return builtin;
+        }
+        builtin.iter().cloned().chain(served).collect()
+    }
+
+    /// The tool named `name`: a built-in one, or one of a ready MCP server.
+    pub(super) fn tool(&self, name: &str) -> Option<Arc<dyn crate::tool::Tool>> {
+        self.settings
+            .tools
+            .get(name)
+            .cloned()
+            .or_else(|| self.settings.mcp.tool(name))
     }
 
     pub(super) fn agent(&self, name: &str) -> Result<Agent, Error> {

@@ -63,6 +63,11 @@ impl Runner {
             .collect()
     }
 
+    /// The MCP tool servers.
+    pub fn mcp(&self) -> &Arc<crate::mcp::Servers> {
+        &self.engine().settings.mcp
+    }
+
     /// The agent named `name`, if there is one.
     pub fn agent(&self, name: &str) -> Option<super::Agent> {
         self.engine().settings.agent(name)

@@ -73,6 +73,8 @@ pub struct Settings {
     pub instructions: Instructions,
     /// Prices of the models that have them configured, by `provider/id`.
     pub prices: HashMap<String, Prices>,
+    /// MCP tool servers, whose tools are offered beside `tools`.
+    pub mcp: Arc<crate::mcp::Servers>,
 }
 
 /// What a model costs, in currency units per million tokens of each kind.

@@ -200,6 +200,8 @@ fn known_tools(engine: &Engine) -> HashMap<String, Effect> {
         .settings
         .tools
         .iter()
+        .cloned()
+        .chain(engine.settings.mcp.ready_tools())
         .map(|t| (t.name().to_owned(), t.effect()))
         .collect();
     known.insert(QUESTION.into(), Effect::Read);
@@ -333,11 +335,16 @@ impl<'a> Step<'a> {
         let provider = engine.provider(&info.model)?;
         let last_step = number >= agent.max_steps;
         let limits = engine.limits(&info.model);
+        // An MCP server starting on first use may take a while; an interrupt need not wait.
+        let tools = tokio::select! {
+            tools = engine.request_tools(&info.agent, &agent) => tools,
+            () = cancel.cancelled() => return Err(Error::Interrupted),
+        };
         let mut request = provider::Request {
             model: info.model.clone(),
             system: system.unwrap_or_else(|| agent.system.clone()),
             turns: context::turns(messages),
-            tools: engine.specs(&info.agent),
+            tools,
             temperature: agent.temperature,
             tool_choice: if last_step {
                 ToolChoice::None

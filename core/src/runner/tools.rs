@@ -113,7 +113,7 @@ impl Step<'_> {
             self.awaiting.push(call_id);
             return Ok(());
         }
-        let Some(tool) = engine.settings.tools.get(&launch.name) else {
+        let Some(tool) = engine.tool(&launch.name) else {
             // Fails as an unknown tool, asking nobody.
             return self.start_tool(launch);
         };
@@ -193,7 +193,7 @@ impl Step<'_> {
             return Err(Error::OwnershipLost(held.claim.session_id));
         }
         let call_id = launch.call_id;
-        let Some(tool) = engine.settings.tools.get(&launch.name).cloned() else {
+        let Some(tool) = engine.tool(&launch.name) else {
             self.calls.spawn(async move {
                 (
                     call_id,

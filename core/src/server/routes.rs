@@ -10,8 +10,9 @@ use axum::response::IntoResponse;
 use diesel::RunQueryDsl;
 use keel_schema::api::{
     Accepted, AgentInfo, AgentList, CreateSession, ErrorType, ExecutionStatus, Health,
-    InterruptResponse, ListSessionsQuery, MessageList, NodeList, PermissionReply, PromptRequest,
-    PromptResponse, QuestionReply, Ready, Session, SessionList, SessionStatus, UpdateSession,
+    InterruptResponse, ListSessionsQuery, McpServer, McpServerList, McpState, McpTool, MessageList,
+    NodeList, PermissionReply, PromptRequest, PromptResponse, QuestionReply, Ready, Session,
+    SessionList, SessionStatus, UpdateSession,
 };
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{OwnerId, RequestId, SessionId};
@@ -487,6 +488,36 @@ pub async fn agents(State(state): State<AppState>) -> Json<AgentList> {
         })
         .collect();
     Json(AgentList { items })
+}
+
+pub async fn mcp_servers(State(state): State<AppState>) -> Json<McpServerList> {
+    use crate::mcp::State as Life;
+    let items = state
+        .runner
+        .mcp()
+        .statuses()
+        .into_iter()
+        .map(|status| {
+            let (state, error) = match status.state {
+                Life::Idle => (McpState::Idle, None),
+                Life::Starting => (McpState::Starting, None),
+                Life::Ready => (McpState::Ready, None),
+                Life::Failed(reason) => (McpState::Failed, Some(reason)),
+            };
+            McpServer {
+                name: status.name,
+                transport: status.transport.into(),
+                state,
+                error,
+                tools: status
+                    .tools
+                    .into_iter()
+                    .map(|(name, effect)| McpTool { name, effect })
+                    .collect(),
+            }
+        })
+        .collect();
+    Json(McpServerList { items })
 }
 
 pub async fn nodes(State(state): State<AppState>) -> Result<Json<NodeList>> {

@@ -266,6 +266,8 @@ pub struct Setup {
     pub prices: HashMap<String, runner::Prices>,
     /// More tools, besides the gate, the probe and the built-ins.
     pub tools: Vec<Arc<dyn Tool>>,
+    /// MCP servers.
+    pub mcp: Vec<keel_core::mcp::Spec>,
 }
 
 impl Harness {
@@ -328,6 +330,7 @@ impl Harness {
             models: setup.models,
             instructions: setup.instructions.unwrap_or_else(Instructions::none),
             prices: setup.prices,
+            mcp: Arc::new(keel_core::mcp::Servers::new(setup.mcp)),
         };
         let runner = Runner::new(store.clone(), settings.clone());
         Self {

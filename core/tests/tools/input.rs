@@ -34,7 +34,8 @@ async fn unknown_input_fields_are_invalid_input_for_every_tool() {
 
 #[test]
 fn builtins_are_the_seven_spec_tools_with_their_effects_and_schemas() {
-    let tools: Vec<_> = builtins().iter().map(|t| (t.name(), t.effect())).collect();
+    let registry = builtins();
+    let tools: Vec<_> = registry.iter().map(|t| (t.name(), t.effect())).collect();
     assert_eq!(
         tools,
         vec![

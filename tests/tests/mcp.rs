@@ -1,0 +1,420 @@
+//! MCP tool servers end to end: `keel serve` with `[mcp.NAME]` servers (the repository's
+//! fixture, `keel-mcp-fixture`, over stdio and over streamable HTTP), a fake
+//! OpenAI-compatible model calling their tools, and the fixture's log of what it ran.
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::StreamExt;
+use keel_client::schema::api::{CreateSession, LogItem, McpState, PromptRequest};
+use keel_client::schema::event::{DurableEvent, Envelope};
+use keel_client::schema::id::SessionId;
+use keel_client::schema::types::{Effect, Outcome, ToolContent};
+use keel_client::{Client, LogStream};
+use keel_tests::Server;
+use keel_tests::fake_provider::{Canned, FakeProvider};
+use serde_json::{Value, json};
+
+const FIXTURE: &str = env!("CARGO_BIN_EXE_keel-mcp-fixture");
+
+/// A guard against a hang, not a performance bound.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// `keel.toml` for the fake model and the fixture over stdio, logging to `log`.
+fn config(fake: &FakeProvider, log: &Path, extra: &str) -> String {
+    format!(
+        r#"
+default_model = "local/m"
+[provider.local]
+kind = "openai"
+base_url = "{}/v1"
+[mcp.fixture]
+command = "{FIXTURE}"
+env = {{ FIXTURE_LOG = "{}" }}
+timeout_ms = 20000
+{extra}"#,
+        fake.base_url,
+        log.display()
+    )
+}
+
+/// Rules that let every call run unasked.
+const TRUSTING: &str = "[agent.build.permissions]\n\"*\" = \"allow\"\n";
+
+/// `keel serve` with [`config`] and `args`, and a client of it.
+fn start(fake: &FakeProvider, log: &Path, extra: &str, args: &[&str]) -> (Server, Client) {
+    let mut all = vec!["--config", "keel.toml"];
+    all.extend_from_slice(args);
+    let server = Server::start_with(&[("keel.toml", &config(fake, log, extra))], &all);
+    let client = Client::new(&server.base_url).unwrap();
+    (server, client)
+}
+
+/// Waits until the fixture has logged `line`.
+async fn until_logged(log: &Path, line: &str) {
+    tokio::time::timeout(PATIENCE, async {
+        while !fixture_log(log).iter().any(|l| l == line) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the fixture never logged `{line}`"));
+}
+
+fn call(tool: &str, input: Value) -> Canned {
+    Canned::chat("", &[(tool, input)])
+}
+
+async fn read_until(log: &mut LogStream, stop: impl Fn(&DurableEvent) -> bool) -> Vec<Envelope> {
+    let mut events = Vec::new();
+    let read = async {
+        while let Some(item) = log.next().await {
+            if let LogItem::Durable(envelope) = item.unwrap() {
+                let done = stop(&envelope.event);
+                events.push(envelope);
+                if done {
+                    return;
+                }
+            }
+        }
+        panic!("the log ended early");
+    };
+    tokio::time::timeout(PATIENCE, read)
+        .await
+        .expect("the awaited event came");
+    events
+}
+
+fn settled(event: &DurableEvent) -> bool {
+    matches!(event, DurableEvent::ExecutionSettled(_))
+}
+
+async fn session(client: &Client, server: &Server) -> SessionId {
+    let body = CreateSession {
+        directory: Some(server.directory().to_string_lossy().into_owned()),
+        ..CreateSession::default()
+    };
+    client.create_session(&body).await.unwrap().id
+}
+
+/// Prompts `session` and reads its log until the execution settles.
+async fn run(client: &Client, session: SessionId, text: &str) -> Vec<Envelope> {
+    let after = client.get_session(session).await.unwrap().last_seq;
+    let mut log = client.session_log(session, after);
+    client
+        .prompt(session, &PromptRequest::text(text))
+        .await
+        .unwrap();
+    read_until(&mut log, settled).await
+}
+
+/// The fixture's log: one line per call started, finished or cancelled.
+fn fixture_log(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn results(events: &[Envelope]) -> Vec<&DurableEvent> {
+    events
+        .iter()
+        .map(|e| &e.event)
+        .filter(|e| {
+            matches!(
+                e,
+                DurableEvent::ToolSuccess(_) | DurableEvent::ToolFailed(_)
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_stdio_server_lists_its_tools_with_their_effects_and_a_call_runs_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![
+        call("fixture_echo", json!({ "text": "hi" })),
+        Canned::chat("Echoed.", &[]),
+    ])
+    .await;
+    let (server, client) = start(&fake, &log, "", &[]);
+    // Not started before its first use.
+    let before = client.mcp_servers().await.unwrap().items;
+    assert_eq!(before[0].state, McpState::Idle);
+
+    let session = session(&client, &server).await;
+    let events = run(&client, session, "say hi").await;
+    let results = results(&events);
+    assert!(
+        matches!(results[..], [DurableEvent::ToolSuccess(s)]
+            if s.content == [ToolContent::Text { text: "echo: hi".into() }]),
+        "{results:?}"
+    );
+    assert_eq!(fixture_log(&log), ["call echo", "done echo"]);
+
+    // The model was offered the server's tools, named after it, with their schemas.
+    let first = &fake.received()[0].body;
+    let offered: Vec<&Value> = first["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["function"]["name"] == "fixture_add")
+        .collect();
+    assert_eq!(offered.len(), 1);
+    assert!(offered[0]["function"]["parameters"]["properties"]["a"].is_object());
+
+    let servers = client.mcp_servers().await.unwrap().items;
+    assert_eq!(servers[0].name, "fixture");
+    assert_eq!(servers[0].transport, "stdio");
+    assert_eq!(servers[0].state, McpState::Ready);
+    let effect = |name: &str| {
+        servers[0]
+            .tools
+            .iter()
+            .find(|t| t.name == name)
+            .map(|t| t.effect)
+    };
+    assert_eq!(effect("fixture_echo"), Some(Effect::Read));
+    assert_eq!(effect("fixture_add"), Some(Effect::Write));
+    // Not annotated: not known to be read-only.
+    assert_eq!(effect("fixture_idle"), Some(Effect::Write));
+}
+
+#[tokio::test]
+async fn an_mcp_tool_not_known_to_be_read_only_asks_by_default_and_one_that_is_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![Canned::chat(
+        "",
+        &[
+            ("fixture_echo", json!({ "text": "a" })),
+            ("fixture_add", json!({ "a": 2, "b": 3 })),
+        ],
+    )])
+    .await;
+    // With no permission rules at all: Keel's defaults.
+    let (server, client) = start(&fake, &log, "", &[]);
+    let session = session(&client, &server).await;
+    let mut stream = client.session_log(session, 0);
+    client
+        .prompt(session, &PromptRequest::text("go"))
+        .await
+        .unwrap();
+    let events = read_until(&mut stream, |e| {
+        matches!(e, DurableEvent::PermissionRequested(_))
+    })
+    .await;
+    let DurableEvent::PermissionRequested(asked) = &events.last().unwrap().event else {
+        unreachable!()
+    };
+    assert_eq!(asked.tool, "fixture_add");
+    let status = client.session_status(session).await.unwrap();
+    assert_eq!(status.awaiting_replies, 1);
+    // `echo` ran without asking; `add` did not run.
+    let log = fixture_log(&log);
+    assert!(log.contains(&"done echo".to_owned()), "{log:?}");
+    assert!(!log.iter().any(|l| l.ends_with(" add")), "{log:?}");
+}
+
+#[tokio::test]
+async fn an_error_result_fails_the_call_and_the_session_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![
+        call("fixture_fail", json!({})),
+        Canned::chat("It failed; moving on.", &[]),
+    ])
+    .await;
+    let (server, client) = start(&fake, &log, "", &[]);
+    let session = session(&client, &server).await;
+    let events = run(&client, session, "try it").await;
+    let results = results(&events);
+    assert!(
+        matches!(results[..], [DurableEvent::ToolFailed(f)]
+            if f.error.kind == "tool.error" && f.error.message == "it failed on purpose"),
+        "{results:?}"
+    );
+    assert!(matches!(&events.last().unwrap().event,
+        DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded));
+}
+
+#[tokio::test]
+async fn a_server_that_dies_mid_call_fails_the_call_and_is_started_again_on_a_later_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![
+        call("fixture_crash", json!({})),
+        Canned::chat("The server died.", &[]),
+    ])
+    .await;
+    let (server, client) = start(&fake, &log, TRUSTING, &[]);
+    let session = session(&client, &server).await;
+    let events = run(&client, session, "crash it").await;
+    let ended = results(&events);
+    assert!(
+        matches!(ended[..], [DurableEvent::ToolFailed(f)]
+            if f.error.kind == "tool.unavailable" && f.error.message.contains("fixture")),
+        "{ended:?}"
+    );
+    let servers = client.mcp_servers().await.unwrap().items;
+    assert_eq!(servers[0].state, McpState::Failed, "{servers:?}");
+    assert!(servers[0].error.is_some());
+
+    // After its backoff (a second), the next use starts it again.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    fake.push([
+        call("fixture_echo", json!({ "text": "back" })),
+        Canned::chat("Back.", &[]),
+    ]);
+    let events = run(&client, session, "again").await;
+    assert!(
+        matches!(results(&events)[..], [DurableEvent::ToolSuccess(_)]),
+        "{events:?}"
+    );
+    assert_eq!(fixture_log(&log), ["call crash", "call echo", "done echo"]);
+}
+
+#[tokio::test]
+async fn a_slow_call_interrupted_by_the_user_is_cancelled_at_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![call("fixture_slow", json!({ "ms": 30_000 }))]).await;
+    let (server, client) = start(&fake, &log, TRUSTING, &[]);
+    let session = session(&client, &server).await;
+    let mut stream = client.session_log(session, 0);
+    client
+        .prompt(session, &PromptRequest::text("take your time"))
+        .await
+        .unwrap();
+    read_until(&mut stream, |e| matches!(e, DurableEvent::ToolCalled(_))).await;
+    // The request reached the server before the interrupt.
+    until_logged(&log, "call slow").await;
+    assert!(client.interrupt(session).await.unwrap().interrupted);
+    // The step ends interrupted; its call (resolved by `step.interrupted`) never
+    // succeeded.
+    let events = read_until(&mut stream, settled).await;
+    assert!(results(&events).is_empty(), "{events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(&e.event, DurableEvent::StepInterrupted(_))),
+        "{events:?}"
+    );
+    // The server heard `notifications/cancelled` and stopped the call.
+    until_logged(&log, "cancelled slow").await;
+    assert!(!fixture_log(&log).contains(&"done slow".to_owned()));
+}
+
+#[tokio::test]
+async fn a_streamable_http_server_is_reached_with_headers_from_the_environment() {
+    use std::io::{BufRead, BufReader};
+    let home = std::env::var("HOME").expect("HOME is set");
+    let mut fixture = std::process::Command::new(FIXTURE)
+        .args(["--http", "127.0.0.1:0", "--require-header"])
+        .arg(format!("X-Home={home}"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(fixture.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    let fake = FakeProvider::start(vec![
+        call("remote_add", json!({ "a": 2, "b": 3 })),
+        call("remote_picture", json!({})),
+        Canned::chat("Done.", &[]),
+    ])
+    .await;
+    let config = format!(
+        r#"
+default_model = "local/m"
+[provider.local]
+kind = "openai"
+base_url = "{}/v1"
+[mcp.remote]
+url = "{url}"
+headers = {{ X-Home = "${{HOME}}" }}
+start = "serve"
+[agent.build.permissions]
+"remote_*" = "allow"
+"#,
+        fake.base_url
+    );
+    let server = Server::start_with(&[("keel.toml", &config)], &["--config", "keel.toml"]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = session(&client, &server).await;
+    let events = run(&client, session, "add and draw").await;
+    let results = results(&events);
+    let [
+        DurableEvent::ToolSuccess(sum),
+        DurableEvent::ToolSuccess(picture),
+    ] = results[..]
+    else {
+        panic!("{results:?}")
+    };
+    assert_eq!(sum.content, [ToolContent::Text { text: "5".into() }]);
+    // Text, the image (stored once, in the content), and the embedded resource's text.
+    assert!(
+        matches!(&picture.content[..], [
+        ToolContent::Text { .. },
+        ToolContent::Media { mime, .. },
+        ToolContent::Text { text },
+    ] if mime == "image/png" && text.contains("an embedded note")),
+        "{:?}",
+        picture.content
+    );
+    assert!(!picture.structured.to_string().contains("iVBOR"));
+    let servers = client.mcp_servers().await.unwrap().items;
+    assert_eq!(servers[0].transport, "http");
+    drop(fixture.kill());
+    drop(fixture.wait());
+}
+
+#[tokio::test]
+async fn a_call_cut_by_a_keel_kill_is_reported_interrupted_after_recovery_and_never_sent_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![
+        call("fixture_slow", json!({ "ms": 30_000 })),
+        Canned::chat("It was cut off.", &[]),
+    ])
+    .await;
+    let (mut server, client) = start(&fake, &log, TRUSTING, &["--lease-ms", "2000"]);
+    let session = session(&client, &server).await;
+    client
+        .prompt(session, &PromptRequest::text("go slowly"))
+        .await
+        .unwrap();
+    until_logged(&log, "call slow").await;
+    server.kill_and_restart();
+    let client = Client::new(&server.base_url).unwrap();
+    let mut stream = client.session_log(session, 0);
+    let events = read_until(
+        &mut stream,
+        |e| matches!(e, DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded),
+    )
+    .await;
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(&e.event, DurableEvent::StepRecovered(_)))
+    );
+    // `step.recovered` resolves the cut call as interrupted by the crash; it never
+    // succeeded, and the model was told and answered.
+    assert!(results(&events).is_empty(), "{events:?}");
+    let messages = serde_json::to_string(&client.messages(session).await.unwrap()).unwrap();
+    assert!(messages.contains("tool.interrupted-by-crash"), "{messages}");
+    // The call went to the server once; recovery did not send it again.
+    let calls = fixture_log(&log)
+        .iter()
+        .filter(|l| *l == "call slow")
+        .count();
+    assert_eq!(calls, 1);
+}
