@@ -2,8 +2,10 @@
 //! Keel loses nothing.
 //!
 //! Starts the real `keel serve` on a temporary SQLite database with a scripted model
-//! whose turns stream text, read files, write files and run `bash` commands that record
-//! every real execution (by `KEEL_CALL_ID`) in a side file. Clients prompt (queued and
+//! whose turns stream text, read files, write files, run `bash` commands that record
+//! every real execution (by `KEEL_CALL_ID`) in a side file, and call two tools of an MCP
+//! server (the repository's `keel-mcp-fixture` over stdio): `echo`, read-only, and
+//! `record`, which appends to a file and is neither read-only nor idempotent. Clients prompt (queued and
 //! steering, with client-chosen ids) and interrupt many sessions concurrently while the
 //! server is SIGKILLed at random moments and restarted on the same database. Prompts whose
 //! answer was lost to a kill are retried with the same id. After the last restart it waits
@@ -15,6 +17,8 @@
 //!   every tool call at most one result (none only when its step was interrupted or
 //!   recovered, which fails it);
 //! - each session's seq is gapless;
+//! - the MCP server received no more `record` calls than were durably called (a call cut
+//!   by a kill is never sent again), and finished at least as many as succeeded;
 //! - no claim is left behind.
 //!
 //! It prints `N kills, M sessions, V violations` and fails on any violation, keeping the
@@ -140,12 +144,14 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
         },
         options.seed
     );
-    let built = build_keel(root)?;
+    let built = build(root)?;
     let dir = tempfile::tempdir().context("creating a temporary directory")?;
-    // The run restarts its own copy: a build in the meantime replaces cargo's.
+    // The run restarts its own copies: a build in the meantime replaces cargo's.
+    for (name, path) in &built {
+        std::fs::copy(path, dir.path().join(name))
+            .with_context(|| format!("copying {} into the run's directory", path.display()))?;
+    }
     let binary = dir.path().join("keel");
-    std::fs::copy(&built, &binary)
-        .with_context(|| format!("copying {} into the run's directory", built.display()))?;
     let database = options
         .postgres
         .as_deref()
@@ -185,8 +191,12 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
     }
 }
 
-/// Builds `keel` with the cargo running xtask and returns the executable.
-fn build_keel(root: &Path) -> Result<PathBuf> {
+/// The MCP server the model's tools come from, beside `keel` in the run's directory.
+const FIXTURE: &str = "keel-mcp-fixture";
+
+/// Builds `keel` and the MCP fixture with the cargo running xtask; returns each
+/// executable by name.
+fn build(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let output = Command::new(cargo)
         .current_dir(root)
@@ -196,8 +206,12 @@ fn build_keel(root: &Path) -> Result<PathBuf> {
             "--message-format=json",
             "--package",
             "keel-core",
+            "--package",
+            "keel-tests",
             "--bin",
             "keel",
+            "--bin",
+            FIXTURE,
         ])
         .stderr(Stdio::inherit())
         .output()
@@ -205,12 +219,21 @@ fn build_keel(root: &Path) -> Result<PathBuf> {
     if !output.status.success() {
         bail!("building keel failed");
     }
-    String::from_utf8_lossy(&output.stdout)
+    let messages: Vec<serde_json::Value> = String::from_utf8_lossy(&output.stdout)
         .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|message| message["target"]["name"] == "keel")
-        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-        .context("cargo did not report the keel executable")
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect();
+    ["keel", FIXTURE]
+        .into_iter()
+        .map(|name| {
+            messages
+                .iter()
+                .filter(|message| message["target"]["name"] == name)
+                .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+                .map(|path| (name, path))
+                .with_context(|| format!("cargo did not report the {name} executable"))
+        })
+        .collect()
 }
 
 /// How many times the script's round of turns repeats.
@@ -218,7 +241,7 @@ const ROUNDS: usize = 40;
 
 /// The model's turns, in the order a session reaches them (the scripted model plays the
 /// response whose index is the number of assistant turns so far; the last repeats).
-fn script(side_file: &Path) -> serde_json::Value {
+fn script(side_file: &Path, records: &Path) -> serde_json::Value {
     let record = format!(
         "echo \"$KEEL_CALL_ID\" >> '{}'; sleep 0.1",
         side_file.display()
@@ -232,6 +255,11 @@ fn script(side_file: &Path) -> serde_json::Value {
         "write",
         serde_json::json!({ "path": "out.txt", "content": "written by the model\n" }),
     );
+    let echo = call("fixture_echo", serde_json::json!({ "text": "hello" }));
+    let record = call(
+        "fixture_record",
+        serde_json::json!({ "path": records.display().to_string(), "text": "recorded" }),
+    );
     let round = vec![
         vec![text("Reading the notes."), read.clone()],
         vec![text("Recording a run."), delay(30), bash.clone()],
@@ -243,6 +271,8 @@ fn script(side_file: &Path) -> serde_json::Value {
         vec![text("All recorded."), delay(30), text("Ready.")],
         vec![bash],
         vec![text("Idle again.")],
+        vec![text("Asking the MCP server."), echo, record],
+        vec![text("It answered.")],
     ];
     // The round, again and again, so sessions keep calling tools however long the run.
     let turns: Vec<_> = std::iter::repeat_n(round, ROUNDS).flatten().collect();
@@ -439,10 +469,19 @@ async fn act(
 
 async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Result<Vec<String>> {
     let side_file = dir.join("executions.log");
-    std::fs::write(dir.join("script.json"), script(&side_file).to_string())?;
+    let (records, fixture_log) = (dir.join("mcp-records.txt"), dir.join("mcp.log"));
+    std::fs::write(
+        dir.join("script.json"),
+        script(&side_file, &records).to_string(),
+    )?;
     let mut config = "default_model = \"crash/scripted\"\n[provider.crash]\nkind = \"scripted\"\n\
          script = \"script.json\"\n"
         .to_owned();
+    config.push_str(&format!(
+        "[mcp.fixture]\ncommand = \"{}\"\nenv = {{ FIXTURE_LOG = \"{}\" }}\n",
+        dir.join(FIXTURE).display(),
+        fixture_log.display()
+    ));
     // Every tool runs unasked (Keel's default asks before a write), except with
     // `--permissions`, where the asking tools ask.
     config.push_str("[agent.build.permissions]\n\"*\" = \"allow\"\n");
@@ -534,17 +573,21 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
     }
     let mut called = HashSet::new();
     let replies = replies.map(|r| lock(&r).clone());
+    let mut logs = Vec::new();
     for &session in &sessions {
         let log = read_log(&keel.client, session).await?;
         check::check_session(session, &log, &ledger, &mut called, &mut violations);
         if let Some(replies) = &replies {
             check::check_permissions(session, &log, replies, ASKING, &runs, &mut violations);
         }
+        logs.push(log);
         let status = keel.client.session_status(session).await?;
         if let Some(execution) = status.execution {
             violations.push(format!("{session}: claim {} left behind", execution.id));
         }
     }
+    let mcp_log = std::fs::read_to_string(&fixture_log).unwrap_or_default();
+    check::check_mcp_records(&mcp_log, &logs, &mut violations);
     for (call, count) in &runs {
         if *count > 1 {
             violations.push(format!("bash call {call} ran {count} times"));
@@ -566,8 +609,9 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
             .count();
         format!(", {} replies ({accepted} accepted)", replies.len())
     });
+    let mcp_calls = mcp_log.lines().filter(|l| l.starts_with("call ")).count();
     println!(
-        "{} kills, {} sessions, {} violations ({} prompts, {} bash runs{replied})",
+        "{} kills, {} sessions, {} violations ({} prompts, {} bash runs, {mcp_calls} MCP calls{replied})",
         options.iterations,
         sessions.len(),
         violations.len(),

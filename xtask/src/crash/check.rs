@@ -251,6 +251,41 @@ pub(super) fn check_permissions(
     }
 }
 
+/// Checks the MCP server's log (`call NAME` when a call arrived, `done NAME` when it
+/// answered) against the sessions' logs: the server received no more `record` calls than
+/// were durably called, since a call cut by a kill is failed by recovery and never sent
+/// again; and every `record` call that succeeded was answered by the server.
+pub(super) fn check_mcp_records(
+    server_log: &str,
+    logs: &[Vec<Envelope>],
+    violations: &mut Vec<String>,
+) {
+    let count = |line: &str| server_log.lines().filter(|l| *l == line).count();
+    let (received, answered) = (count("call record"), count("done record"));
+    let mut record_calls = HashSet::new();
+    let (mut called, mut succeeded) = (0, 0);
+    for envelope in logs.iter().flatten() {
+        match &envelope.event {
+            DurableEvent::ToolCalled(c) if c.name == "fixture_record" => {
+                record_calls.insert(c.call_id);
+                called += 1;
+            }
+            DurableEvent::ToolSuccess(s) if record_calls.contains(&s.call_id) => succeeded += 1,
+            _ => {}
+        }
+    }
+    if received > called {
+        violations.push(format!(
+            "the MCP server received {received} record calls, but only {called} were called"
+        ));
+    }
+    if succeeded > answered {
+        violations.push(format!(
+            "{succeeded} record calls succeeded, but the MCP server answered {answered}"
+        ));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use keel_client::schema::event::payload;
@@ -327,6 +362,30 @@ mod tests {
             &mut violations,
         );
         violations
+    }
+
+    #[test]
+    fn mcp_records_beyond_the_durable_calls_are_violations() {
+        let session = SessionId::new();
+        let mut logs = vec![log(session, &["x"])];
+        // One durable call of `fixture_record`, which succeeded.
+        for envelope in &mut logs[0] {
+            if let DurableEvent::ToolCalled(c) = &mut envelope.event {
+                c.name = "fixture_record".into();
+            }
+        }
+        let check = |server_log: &str| {
+            let mut violations = Vec::new();
+            check_mcp_records(server_log, &logs, &mut violations);
+            violations
+        };
+        assert!(check("call record\ndone record\n").is_empty());
+        assert_eq!(check("call record\ncall record\ndone record\n").len(), 1);
+        assert_eq!(
+            check("call record\n").len(),
+            1,
+            "succeeded but never answered"
+        );
     }
 
     #[test]
