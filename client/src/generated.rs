@@ -20,7 +20,7 @@ impl Client {
             .await
     }
 
-    /// `POST /api/session`: Create a session. A directory that does not exist is a 400.
+    /// `POST /api/session`: Create a session. A directory that does not exist, or is outside the server's root, is a 400.
     pub async fn create_session(&self, body: &CreateSession) -> Result<Session, Error> {
         self.call_json(reqwest::Method::POST, "/api/session".to_owned(), None::<&()>, Some(body))
             .await

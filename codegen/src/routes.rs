@@ -249,7 +249,10 @@ pub const ROUTES: &[Route] = &[
         )
         .public(),
     Route::post("/api/session", "create_session", json(201, ty!(Session)))
-        .summary("Create a session. A directory that does not exist is a 400.")
+        .summary(
+            "Create a session. A directory that does not exist, or is outside the server's \
+             root, is a 400.",
+        )
         .body(ty!(CreateSession)),
     Route::get("/api/session", "list_sessions", json(200, ty!(SessionList)))
         .summary("List sessions, newest first, a page at a time.")

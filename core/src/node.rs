@@ -12,6 +12,7 @@
 //! benchmarks all run a node this way; nothing else wires these parts by hand.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,6 +90,9 @@ pub struct Options {
     /// How long running steps get after the shutdown signal to reach a boundary before
     /// they are stopped as `shutdown` (see `runner::shutdown`).
     pub step_grace: Duration,
+    /// The directory sessions' directories must be inside (the working directory when
+    /// `None`); a session asking for one outside it is refused.
+    pub root: Option<PathBuf>,
 }
 
 impl Options {
@@ -105,6 +109,7 @@ impl Options {
             heartbeat: Duration::from_secs(15),
             grace: Duration::from_secs(3),
             step_grace: Duration::from_secs(10),
+            root: None,
         }
     }
 
@@ -140,6 +145,8 @@ pub struct Node {
     runner: Runner,
     listener: TcpListener,
     address: SocketAddr,
+    /// The sessions' root, canonical.
+    root: PathBuf,
 }
 
 impl Node {
@@ -147,6 +154,22 @@ impl Node {
     /// configuration and binds the listener. Nothing runs until [`Node::run`].
     pub async fn start(options: Options) -> Result<Self, Error> {
         options.check()?;
+        let root = match &options.root {
+            Some(root) => root.clone(),
+            None => std::env::current_dir().map_err(|e| {
+                Error::Invalid(format!("no working directory for the sessions' root: {e}"))
+            })?,
+        };
+        let root = std::fs::canonicalize(&root)
+            .ok()
+            .filter(|r| r.is_dir())
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "the sessions' root {} is not a directory",
+                    root.display()
+                ))
+            })?;
+
         let settings = Settings {
             owner: OwnerId::new(),
             lease_ms: options.lease_ms,
@@ -178,6 +201,7 @@ impl Node {
             runner,
             listener,
             address,
+            root,
         })
     }
 
@@ -209,6 +233,7 @@ impl Node {
             runner,
             listener,
             address: _,
+            root,
         } = self;
         let owner = runner.owner();
         let lease_ms = options.lease_ms;
@@ -262,6 +287,7 @@ impl Node {
             lease_ms,
             bus,
             auth_failures: server::AuthFailures::default(),
+            root,
         });
         let app = server::router(state, &options.limits)
             .into_make_service_with_connect_info::<std::net::SocketAddr>();

@@ -40,6 +40,8 @@ pub struct Shared {
     pub bus: Option<crate::cluster::Bus>,
     /// Failed authentications by peer address, for the log.
     pub auth_failures: AuthFailures,
+    /// Sessions' directories must be inside this one (canonical).
+    pub root: std::path::PathBuf,
 }
 
 /// How many requests each peer address sent with a missing or wrong token.

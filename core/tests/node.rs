@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 fn options(dir: &std::path::Path, config: Config) -> Options {
     Options {
         listen: "127.0.0.1:0".parse().expect("a socket address"),
+        root: Some(dir.to_path_buf()),
         ..Options::new(DbUrl::Sqlite(dir.join("keel.db")), config)
     }
 }

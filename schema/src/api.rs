@@ -32,7 +32,8 @@ pub struct Ready {
 pub struct CreateSession {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
-    /// Where the session's tools work; defaults to the server's working directory and must exist.
+    /// Where the session's tools work: an existing directory inside the server's root
+    /// (`keel serve --root`, by default its working directory), which is the default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub directory: Option<String>,
     /// An agent named in `keel.toml`; defaults to `build`.

@@ -499,3 +499,64 @@ async fn every_route_of_the_contract_is_served() {
     }
     assert_eq!(checked, 21);
 }
+
+#[tokio::test]
+async fn a_session_directory_outside_the_root_is_refused_and_creates_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("project")).unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    // A symlink inside the root that leads outside is outside.
+    std::os::unix::fs::symlink(outside.path(), root.path().join("escape")).unwrap();
+    let server = Server::start(&["--root", root.path().to_str().unwrap()]);
+    let client = Client::new(&server.base_url).unwrap();
+    let create = |directory: std::path::PathBuf| {
+        let client = client.clone();
+        async move {
+            client
+                .create_session(&CreateSession {
+                    directory: Some(directory.to_string_lossy().into_owned()),
+                    ..CreateSession::default()
+                })
+                .await
+        }
+    };
+    for refused in [
+        outside.path().to_path_buf(),
+        root.path().join("escape"),
+        root.path().join("project/../.."),
+        // The server's own directory (its database, its config) is not inside either.
+        server.directory().to_path_buf(),
+    ] {
+        let answer = create(refused.clone()).await;
+        assert!(
+            matches!(&answer, Err(Error::Api { kind: ErrorType::BadRequest, message, .. })
+                if message.contains("outside")),
+            "{refused:?}: {answer:?}"
+        );
+    }
+    let missing = create(root.path().join("nope")).await;
+    assert!(
+        matches!(&missing, Err(Error::Api { kind: ErrorType::BadRequest, message, .. })
+            if message.contains("does not exist")),
+        "{missing:?}"
+    );
+    assert!(
+        client
+            .list_sessions(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    let made = create(root.path().join("project")).await.unwrap();
+    assert!(made.directory.ends_with("project"));
+    // Without a directory, a session works in the root.
+    let default = client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::canonicalize(&default.directory).unwrap(),
+        std::fs::canonicalize(root.path()).unwrap()
+    );
+}

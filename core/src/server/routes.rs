@@ -105,23 +105,34 @@ fn agent(state: &AppState, name: &str) -> Result<runner::Agent> {
     })
 }
 
+/// `requested` as a session directory: an existing directory inside `root` (symlinks
+/// followed), as given.
+fn session_directory(root: &std::path::Path, requested: &str) -> Result<String> {
+    let real = std::fs::canonicalize(requested)
+        .ok()
+        .filter(|real| real.is_dir())
+        .ok_or_else(|| {
+            ApiError::bad_request(format!("the directory {requested} does not exist"))
+        })?;
+    if !real.starts_with(root) {
+        return Err(ApiError::bad_request(format!(
+            "the directory {requested} is outside {}, the root sessions are allowed in \
+             (keel serve --root)",
+            root.display()
+        )));
+    }
+    Ok(requested.to_owned())
+}
+
 pub async fn create_session(
     State(state): State<AppState>,
     body: std::result::Result<Json<CreateSession>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Session>)> {
     let Json(body) = body?;
     let directory = match body.directory {
-        Some(directory) => directory,
-        None => std::env::current_dir()
-            .map_err(|e| ApiError::new(ErrorType::Internal, format!("no working directory: {e}")))?
-            .to_string_lossy()
-            .into_owned(),
+        Some(directory) => session_directory(&state.root, &directory)?,
+        None => state.root.to_string_lossy().into_owned(),
     };
-    if !std::path::Path::new(&directory).is_dir() {
-        return Err(ApiError::bad_request(format!(
-            "the directory {directory} does not exist"
-        )));
-    }
     let name = body.agent.unwrap_or_else(|| "build".to_owned());
     let chosen = agent(&state, &name)?;
     let model = match (body.model, chosen.model) {

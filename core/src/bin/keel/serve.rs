@@ -47,6 +47,10 @@ pub struct Serve {
     #[arg(long, env = "KEEL_DB_READERS", default_value_t = 4,
           value_parser = clap::value_parser!(u32).range(1..))]
     db_readers: u32,
+    /// Sessions may only work in this directory and below it (default: the working
+    /// directory); a session asking for a directory outside is refused with 400.
+    #[arg(long, env = "KEEL_ROOT")]
+    root: Option<PathBuf>,
     /// How the log on stderr is written: `text` for people (coloured on a terminal) or
     /// `json`, one object per line, for log collectors.
     #[arg(long, env = "KEEL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -76,6 +80,7 @@ pub async fn serve(args: Serve) -> Result<()> {
         lease_ms: args.lease_ms,
         heartbeat: Duration::from_millis(args.heartbeat_ms),
         step_grace: Duration::from_millis(args.shutdown_grace_ms),
+        root: args.root,
         ..Options::new(db.clone(), config)
     };
     let node = Node::start(options).await?;
