@@ -13,6 +13,7 @@
 //! [provider.anthropic]
 //! kind = "anthropic"             # ANTHROPIC_API_KEY
 //! thinking_budget = 8000         # optional: extended thinking
+//! prompt_caching = false         # optional: on by default (cache breakpoints)
 //! idle_timeout_ms = 300000       # optional, openai and anthropic: the longest silence
 //!                                # of a stream (also connect_timeout_ms, 10 s by default,
 //!                                # and first_byte_timeout_ms; both others 120 s)
@@ -83,6 +84,9 @@ pub struct ProviderConfig {
     pub script: Option<PathBuf>,
     /// For `anthropic`: turns extended thinking on with this many tokens for it.
     pub thinking_budget: Option<u32>,
+    /// For `anthropic`: cache breakpoints on the system prompt and the conversation
+    /// (prompt caching); on unless `false`.
+    pub prompt_caching: Option<bool>,
     /// For `openai` and `anthropic`: how long a request may wait to connect, for its
     /// response to start, and between pieces of the response (defaults in
     /// [`Timeouts::default`]).
@@ -278,6 +282,7 @@ impl Default for Config {
                     api_key_env: None,
                     script: None,
                     thinking_budget: None,
+                    prompt_caching: None,
                     connect_timeout_ms: None,
                     first_byte_timeout_ms: None,
                     idle_timeout_ms: None,
@@ -359,6 +364,12 @@ impl Config {
                     provider.kind
                 )));
             }
+            if provider.prompt_caching.is_some() && provider.kind != "anthropic" {
+                return Err(Error::Invalid(format!(
+                    "provider `{name}`: prompt_caching is an anthropic setting, not {}",
+                    provider.kind
+                )));
+            }
             if provider.sets_timeouts() && provider.kind == "scripted" {
                 return Err(Error::Invalid(format!(
                     "provider `{name}`: timeouts are settings of openai and anthropic \
@@ -403,9 +414,14 @@ impl Config {
                         provider.timeouts(name)?,
                     )
                     .map_err(client)?;
-                    Arc::new(match provider.thinking_budget {
+                    let adapter = match provider.thinking_budget {
                         Some(budget) => adapter.with_thinking(budget),
                         None => adapter,
+                    };
+                    Arc::new(if provider.prompt_caching == Some(false) {
+                        adapter.without_caching()
+                    } else {
+                        adapter
                     })
                 }
                 other => {
@@ -960,6 +976,19 @@ mod tests {
         .unwrap();
         let err = misplaced.providers().err().unwrap().to_string();
         assert!(err.contains("thinking_budget"), "{err}");
+        let caching = Config::parse(
+            "default_model = \"local/m\"\n[provider.local]\nkind = \"openai\"\n\
+             base_url = \"http://127.0.0.1:9/v1\"\nprompt_caching = false",
+        )
+        .unwrap()
+        .providers()
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            caching.contains("prompt_caching is an anthropic setting"),
+            "{caching}"
+        );
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub struct Anthropic {
     api_key: Option<String>,
     /// Extended thinking's token budget, when it is on.
     thinking_budget: Option<u32>,
+    /// Whether requests mark cache breakpoints (prompt caching).
+    caching: bool,
 }
 
 impl Anthropic {
@@ -63,7 +65,14 @@ impl Anthropic {
             base_url: base_url.trim_end_matches('/').to_owned(),
             api_key,
             thinking_budget: None,
+            caching: true,
         })
+    }
+
+    /// Turns prompt caching off: no cache breakpoints in requests (it is on by default).
+    pub fn without_caching(mut self) -> Self {
+        self.caching = false;
+        self
     }
 
     /// Turns on extended thinking with `budget_tokens` for it. Without an output limit in
@@ -92,7 +101,7 @@ impl Provider for Anthropic {
             .connection
             .post(format!("{}/v1/messages", self.base_url))
             .header("anthropic-version", API_VERSION)
-            .json(&request::body(request, self.thinking_budget));
+            .json(&request::body(request, self.thinking_budget, self.caching));
         if let Some(key) = &self.api_key {
             builder = builder.header("x-api-key", key);
         }

@@ -56,9 +56,38 @@ async fn prompted(h: &Harness, text: &str) -> SessionId {
     session
 }
 
-/// The messages of the `n`th request the fake provider received.
+/// The messages of the `n`th request the fake provider received, after checking that its
+/// one cache breakpoint (prompt caching is on by default) is on the last block that can
+/// carry one, and taking it off so replays compare with what Keel stored.
 fn messages(fake: &FakeProvider, n: usize) -> Value {
-    fake.received()[n].body["messages"].clone()
+    let mut messages = fake.received()[n].body["messages"].clone();
+    let blocks: Vec<&mut Value> = messages
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .flat_map(|m| m["content"].as_array_mut().unwrap().iter_mut())
+        .collect();
+    let marked: Vec<usize> = blocks
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.get("cache_control").is_some())
+        .map(|(i, _)| i)
+        .collect();
+    let last_markable = blocks
+        .iter()
+        .rposition(|b| !matches!(b["type"].as_str(), Some("thinking" | "redacted_thinking")))
+        .unwrap();
+    assert_eq!(
+        marked,
+        [last_markable],
+        "one breakpoint, on the last markable block"
+    );
+    let mut blocks = blocks;
+    blocks[last_markable]
+        .as_object_mut()
+        .unwrap()
+        .remove("cache_control");
+    messages
 }
 
 /// A user message of one text block.
@@ -125,8 +154,12 @@ async fn streamed_text_becomes_one_ended_step_with_its_usage() {
         json!({
             "model": "test",
             "max_tokens": DEFAULT_MAX_TOKENS,
-            "system": Agent::default().system,
-            "messages": [user("Say hello.")],
+            // Prompt caching: breakpoints on the system prompt and the conversation.
+            "system": [{"type": "text", "text": Agent::default().system,
+                        "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Say hello.", "cache_control": {"type": "ephemeral"}},
+            ]}],
             "tool_choice": {"type": "auto"},
             "stream": true,
         })

@@ -17,8 +17,12 @@ use super::DEFAULT_MAX_TOKENS;
 use crate::provider::{AssistantItem, Request, ToolChoice, ToolResult, Turn};
 
 /// The body of `POST /v1/messages` for `request`; `thinking_budget` turns on extended
-/// thinking.
-pub(super) fn body(request: &Request, thinking_budget: Option<u32>) -> Value {
+/// thinking, `caching` marks two cache breakpoints: one on the system prompt (which caches
+/// the tools and the prompt, the same for every request of an epoch) and one on the last
+/// block of the conversation, so the next request of the session reads the whole prefix
+/// from the cache. Anthropic caches only prefixes above a minimum length and ignores the
+/// marks below it.
+pub(super) fn body(request: &Request, thinking_budget: Option<u32>, caching: bool) -> Value {
     let max_tokens = request.max_output_tokens.unwrap_or_else(|| {
         thinking_budget.map_or(DEFAULT_MAX_TOKENS, |budget| {
             budget.saturating_add(DEFAULT_MAX_TOKENS)
@@ -28,10 +32,33 @@ pub(super) fn body(request: &Request, thinking_budget: Option<u32>) -> Value {
         "model": request.model.id,
         "max_tokens": max_tokens,
     });
+    let breakpoint = json!({"type": "ephemeral"});
     if !request.system.is_empty() {
-        body["system"] = request.system.as_str().into();
+        body["system"] = if caching {
+            json!([{"type": "text", "text": request.system, "cache_control": breakpoint}])
+        } else {
+            request.system.as_str().into()
+        };
     }
     body["messages"] = messages(&request.turns);
+    if caching {
+        // Thinking blocks cannot carry a breakpoint; the last block that can does.
+        let last = body["messages"]
+            .as_array_mut()
+            .and_then(|messages| messages.last_mut())
+            .and_then(|message| message["content"].as_array_mut())
+            .and_then(|content| {
+                content.iter_mut().rev().find(|block| {
+                    !matches!(
+                        block["type"].as_str(),
+                        Some("thinking" | "redacted_thinking")
+                    )
+                })
+            });
+        if let Some(block) = last {
+            block["cache_control"] = breakpoint;
+        }
+    }
     if !request.tools.is_empty() {
         body["tools"] = request
             .tools

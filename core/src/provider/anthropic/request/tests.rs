@@ -92,7 +92,7 @@ fn a_transcript_becomes_alternating_messages_of_blocks_in_the_models_order() {
         user("Try b.txt."),
     ];
     assert_eq!(
-        body(&request(turns), None),
+        body(&request(turns), None, false),
         json!({
             "model": "claude-test",
             "max_tokens": DEFAULT_MAX_TOKENS,
@@ -157,7 +157,7 @@ fn calls_anthropic_cannot_take_back_are_left_out() {
         user("Thanks."),
     ];
     assert_eq!(
-        body(&request(turns), None)["messages"],
+        body(&request(turns), None, false)["messages"],
         json!([
             {"role": "user", "content": [{"type": "text", "text": "go"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "Nothing found."}]},
@@ -183,7 +183,7 @@ fn images_and_pdfs_go_inline_and_other_files_as_notes() {
         ],
     }];
     assert_eq!(
-        body(&request(turns), None)["messages"][0]["content"],
+        body(&request(turns), None, false)["messages"][0]["content"],
         json!([
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}},
             {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"}},
@@ -226,7 +226,7 @@ fn tool_output_keeps_images_and_leaves_out_empty_text() {
             )],
         },
     ];
-    let body = body(&request(turns), None);
+    let body = body(&request(turns), None, false);
     assert_eq!(body["messages"][1]["content"][0]["input"], json!({}));
     assert_eq!(
         body["messages"][2]["content"],
@@ -238,14 +238,64 @@ fn tool_output_keeps_images_and_leaves_out_empty_text() {
 }
 
 #[test]
+fn prompt_caching_marks_the_system_prompt_and_the_last_block_that_can_carry_a_mark() {
+    let turns = vec![
+        user("Read a.txt."),
+        Turn::Assistant {
+            items: vec![
+                AssistantItem::Text("Reading.".into()),
+                AssistantItem::ToolCall {
+                    id: "call_1".into(),
+                    name: "read".into(),
+                    input: json!({"path": "a.txt"}),
+                    provider_executed: false,
+                },
+            ],
+        },
+        Turn::ToolResults {
+            results: vec![result(
+                "call_1",
+                Ok(vec![ToolContent::Text {
+                    text: "hello".into(),
+                }]),
+            )],
+        },
+    ];
+    let cached = body(&request(turns.clone()), None, true);
+    assert_eq!(
+        cached["system"],
+        json!([{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}])
+    );
+    let messages = cached["messages"].as_array().unwrap();
+    let marked: Vec<&Value> = messages
+        .iter()
+        .flat_map(|m| m["content"].as_array().unwrap())
+        .filter(|block| block.get("cache_control").is_some())
+        .collect();
+    assert_eq!(marked.len(), 1, "{cached}");
+    assert_eq!(marked[0]["type"], "tool_result");
+    assert_eq!(
+        messages.last().unwrap()["content"]
+            .as_array()
+            .unwrap()
+            .last(),
+        Some(marked[0])
+    );
+    // Off: the system prompt is plain text and nothing is marked.
+    let plain = body(&request(turns), None, false);
+    assert_eq!(plain["system"], "Be brief.");
+    assert!(!plain.to_string().contains("cache_control"));
+}
+
+#[test]
 fn a_temperature_is_sent_except_with_extended_thinking() {
     let mut warm = request(vec![user("hi")]);
     warm.temperature = Some(0.5);
-    assert_eq!(body(&warm, None)["temperature"], json!(0.5));
-    let thinking = body(&warm, Some(4_000));
+    assert_eq!(body(&warm, None, false)["temperature"], json!(0.5));
+    let thinking = body(&warm, Some(4_000), false);
     assert!(thinking.get("temperature").is_none(), "{thinking}");
     assert!(
-        body(&request(vec![user("hi")]), None)
+        body(&request(vec![user("hi")]), None, false)
             .get("temperature")
             .is_none()
     );
@@ -256,7 +306,7 @@ fn the_last_step_disables_tools_and_thinking_raises_the_default_limit() {
     let mut last = request(vec![user("hi")]);
     last.tool_choice = ToolChoice::None;
     last.system = String::new();
-    let body = body(&last, Some(4_000));
+    let body = body(&last, Some(4_000), true);
     assert_eq!(body["tool_choice"], json!({"type": "none"}));
     assert_eq!(
         body["thinking"],
@@ -268,7 +318,7 @@ fn the_last_step_disables_tools_and_thinking_raises_the_default_limit() {
     let mut limited = request(vec![user("hi")]);
     limited.max_output_tokens = Some(1_000);
     limited.tools = std::sync::Arc::from([]);
-    let body = super::body(&limited, None);
+    let body = super::body(&limited, None, false);
     assert_eq!(body["max_tokens"], json!(1_000));
     assert!(
         body.get("tools").is_none() && body.get("tool_choice").is_none(),
