@@ -20,6 +20,7 @@
 //! - [`recovery`]: takes over the executions of dead owners, exactly once.
 //! - [`cluster`]: several nodes on one database: the node table, LISTEN/NOTIFY.
 //! - [`server`]: the HTTP routes and event streams.
+//! - [`metrics`]: Prometheus metrics of the process (`GET /metrics`).
 //! - [`node`]: one serving process, all of the above wired together and run.
 
 pub mod clock;
@@ -32,6 +33,7 @@ pub mod execution;
 pub mod inbox;
 pub mod instructions;
 pub mod mcp;
+pub mod metrics;
 pub mod node;
 pub mod permission;
 pub mod provider;

@@ -200,6 +200,7 @@ impl Recovery {
             |session| runner.wake(session, Scope::Input),
         )
         .await?;
+        crate::metrics::recovery_pass(report.recovered.len(), report.quarantined.len());
         Ok(report)
     }
 }

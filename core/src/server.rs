@@ -116,6 +116,8 @@ pub fn router(state: AppState, limits: &Limits) -> Router {
         .route("/api/agents", get(routes::agents))
         .route("/api/mcp", get(routes::mcp_servers))
         .route("/api/nodes", get(routes::nodes))
+        .route("/metrics", get(routes::metrics))
+        .layer(axum::middleware::from_fn(in_request_span))
         .route("/openapi.json", get(routes::openapi))
         .fallback(routes::not_found)
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
@@ -166,6 +168,32 @@ fn same_token(presented: &str, token: &str) -> bool {
     use subtle::ConstantTimeEq;
     let digest = |text: &str| Sha1::digest(text.as_bytes());
     digest(presented).ct_eq(&digest(token)).into()
+}
+
+/// Runs a request inside a `request` span (method and path, never the query, which may
+/// carry ids a log should not multiply), and logs its answer at debug level.
+async fn in_request_span(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use tracing::Instrument as _;
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        path = %request.uri().path()
+    );
+    let began = std::time::Instant::now();
+    async move {
+        let response = next.run(request).await;
+        tracing::debug!(
+            status = response.status().as_u16(),
+            ms = began.elapsed().as_millis() as u64,
+            "answered"
+        );
+        response
+    }
+    .instrument(span)
+    .await
 }
 
 #[cfg(test)]

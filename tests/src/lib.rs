@@ -69,6 +69,8 @@ pub struct Server {
     /// The `--db` URL.
     db: String,
     args: Vec<String>,
+    /// `RUST_LOG` for the server.
+    log_filter: String,
     /// Everything the server wrote to stderr so far (its log), across restarts.
     log: Arc<Mutex<String>>,
     _dir: tempfile::TempDir,
@@ -89,6 +91,20 @@ impl Server {
     /// Like [`Server::start_with`], on the database `db` (a `postgres://` URL shared by
     /// several servers, say) instead of a SQLite file of its own.
     pub fn start_on(db: Option<&str>, files: &[(&str, &str)], args: &[&str]) -> Self {
+        Self::start_full(db, files, args, "info")
+    }
+
+    /// Like [`Server::start`], its log filtered by `filter` (`RUST_LOG`) instead of `info`.
+    pub fn start_logging(filter: &str, args: &[&str]) -> Self {
+        Self::start_full(None, &[], args, filter)
+    }
+
+    fn start_full(
+        db: Option<&str>,
+        files: &[(&str, &str)],
+        args: &[&str],
+        log_filter: &str,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         for (name, content) in files {
             std::fs::write(dir.path().join(name), content).expect("a test file is written");
@@ -99,8 +115,9 @@ impl Server {
         );
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let log = Arc::new(Mutex::new(String::new()));
-        let (child, base_url) = spawn(dir.path(), &db, &args, &log);
+        let (child, base_url) = spawn(dir.path(), &db, &args, log_filter, &log);
         Self {
+            log_filter: log_filter.to_owned(),
             base_url,
             child,
             db,
@@ -141,7 +158,13 @@ impl Server {
     /// Reaps the stopped process and starts a new one; it listens on a new port.
     fn restart(&mut self) {
         self.child.wait().expect("keel is reaped");
-        let (child, base_url) = spawn(self._dir.path(), &self.db, &self.args, &self.log);
+        let (child, base_url) = spawn(
+            self._dir.path(),
+            &self.db,
+            &self.args,
+            &self.log_filter,
+            &self.log,
+        );
         self.child = child;
         self.base_url = base_url;
     }
@@ -150,6 +173,12 @@ impl Server {
     pub fn logged(&self, text: &str) -> bool {
         let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         log.lines().any(|line| line.contains(text))
+    }
+
+    /// The server's log so far, a line each.
+    pub fn log_lines(&self) -> Vec<String> {
+        let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        log.lines().map(str::to_owned).collect()
     }
 
     /// The directory the server runs in (the default session directory).
@@ -172,6 +201,7 @@ fn spawn(
     dir: &Path,
     db: &str,
     args: &[String],
+    log_filter: &str,
     log: &Arc<Mutex<String>>,
 ) -> (std::process::Child, String) {
     use std::io::{BufRead, BufReader};
@@ -181,7 +211,7 @@ fn spawn(
         .current_dir(dir)
         .env_remove("KEEL_TOKEN")
         .env_remove("KEEL_CONFIG")
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", log_filter)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -560,3 +560,50 @@ async fn a_session_directory_outside_the_root_is_refused_and_creates_nothing() {
         std::fs::canonicalize(root.path()).unwrap()
     );
 }
+
+#[tokio::test]
+async fn log_lines_carry_the_spans_of_their_request_execution_step_and_tool() {
+    let server = Server::start_logging("info,keel_core=debug", &["--log-format", "json"]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = client
+        .create_session(&CreateSession {
+            directory: Some(server.directory().to_string_lossy().into_owned()),
+            ..CreateSession::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    client
+        .prompt(session, &PromptRequest::text("What is here?"))
+        .await
+        .unwrap();
+    follow_to_idle(&server, &session.to_string()).await;
+    // The demo model's `list` call ran inside its tool, step and execution spans.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let line = loop {
+        let found = server
+            .log_lines()
+            .into_iter()
+            .find(|line| line.contains("tool call ended"));
+        if let Some(line) = found {
+            break line;
+        }
+        assert!(std::time::Instant::now() < deadline, "no tool line logged");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let spans = line["spans"].as_array().unwrap();
+    let named = |name: &str| spans.iter().find(|s| s["name"] == name).cloned();
+    let execution = named("execution").expect("an execution span");
+    assert_eq!(execution["session"], session.to_string());
+    assert!(execution["execution"].as_str().unwrap().starts_with("exe_"));
+    assert_eq!(named("step").expect("a step span")["number"], 1);
+    assert_eq!(named("tool").expect("a tool span")["tool"], "list");
+    assert_eq!(line["fields"]["outcome"], "ok");
+    // Each HTTP request is answered inside its own span.
+    assert!(server.log_lines().iter().any(|line| {
+        line.contains(r#""message":"answered""#)
+            && line.contains(r#""name":"request""#)
+            && line.contains(r#""path":"/api/session""#)
+    }));
+}

@@ -148,7 +148,7 @@ impl Engine {
             max_output_tokens: self.limits(&info.model).map(|l| saturate(l.output)),
         };
 
-        let mut stream = provider.stream(&request);
+        let mut stream = crate::metrics::observed(&request, provider.stream(&request));
         let mut summary = String::new();
         let mut usage: Option<Usage> = None;
         let failure = loop {

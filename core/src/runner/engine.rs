@@ -375,7 +375,13 @@ impl Work for Engine {
         request: Request,
         cancel: CancellationToken,
     ) -> BoxFuture<'a, Result<(), Error>> {
-        Box::pin(self.drain_session(*session, request, cancel))
+        use tracing::Instrument as _;
+        let execution = self.held(*session).map(|held| held.claim.id.to_string());
+        let span = tracing::info_span!("execution", session = %session, execution);
+        Box::pin(
+            self.drain_session(*session, request, cancel)
+                .instrument(span),
+        )
     }
 
     fn cleanup<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<(), Error>> {

@@ -124,6 +124,7 @@ impl Engine {
 
     /// Publishes committed events to this process's live subscribers.
     pub(super) fn publish(&self, envelopes: &[Envelope]) {
+        crate::metrics::committed(envelopes.iter().map(|e| &e.event));
         for envelope in envelopes {
             self.live.publish(Live::Durable(envelope.clone()));
         }

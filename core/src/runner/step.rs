@@ -241,6 +241,8 @@ pub(super) struct Step<'a> {
     pub(super) awaiting: Vec<CallId>,
     /// Retries of the request so far.
     retries: u32,
+    /// When this process took the step up (its start, or its resumption).
+    began: std::time::Instant,
     /// Whether the step compacted already: at most once per logical step.
     compacted: bool,
     /// Whether any local call was made (a continuation follows their results).
@@ -269,8 +271,14 @@ impl Engine {
         messages: &[Message],
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
-        let step = Step::start(self, held, start, messages, cancel).await?;
-        self.drive(step).await
+        use tracing::Instrument as _;
+        let span = tracing::info_span!("step", number = start.number, model = %start.info.model);
+        async {
+            let step = Step::start(self, held, start, messages, cancel).await?;
+            self.drive(step).await
+        }
+        .instrument(span)
+        .await
     }
 
     /// Takes up a step that waited for a person (see [`Parked`]) and runs it to its end,
@@ -282,9 +290,14 @@ impl Engine {
         info: view::SessionInfo,
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
+        use tracing::Instrument as _;
         let assistant = parked.assistant;
-        match Step::resume(self, held, parked, info, cancel).await {
-            Ok(step) => self.drive(step).await,
+        let span = tracing::info_span!("step", number = parked.number, model = %info.model, resumed = true);
+        match Step::resume(self, held, parked, info, cancel)
+            .instrument(span.clone())
+            .await
+        {
+            Ok(step) => self.drive(step).instrument(span).await,
             Err(error) => {
                 if error.breaks_step() {
                     self.fail_step(held, assistant, &error).await;
@@ -391,7 +404,10 @@ impl<'a> Step<'a> {
         if !engine.owns(held) {
             return Err(Error::OwnershipLost(session));
         }
-        let response = Response::streaming(provider.stream(&request));
+        let response = Response::streaming(crate::metrics::observed(
+            &request,
+            provider.stream(&request),
+        ));
         let translator = Translator::new(assistant, known_tools(engine), last_step);
         let mut step = Self::assemble(
             engine,
@@ -480,6 +496,7 @@ impl<'a> Step<'a> {
             calls: JoinSet::new(),
             awaiting: Vec::new(),
             retries: 0,
+            began: std::time::Instant::now(),
             compacted: false,
             called_tools: false,
             resumed: false,
@@ -682,7 +699,10 @@ impl<'a> Step<'a> {
             () = self.cancel.cancelled() => Ok(self.interrupted()),
             () = tokio::time::sleep(wait) => {
                 if engine.owns(held) {
-                    Ok(Response::streaming(self.provider.stream(&self.request)))
+                    Ok(Response::streaming(crate::metrics::observed(
+                        &self.request,
+                        self.provider.stream(&self.request),
+                    )))
                 } else {
                     Err(Error::OwnershipLost(session))
                 }
@@ -693,6 +713,7 @@ impl<'a> Step<'a> {
     /// Writes the end of an interrupted or failed step; hands an ended one back for the
     /// drain to commit with the next boundary.
     async fn end(&mut self, over: Over) -> Result<Ended, Error> {
+        crate::metrics::step_ran(self.began.elapsed());
         let assistant = self.assistant;
         let mut closing = std::mem::take(&mut self.last_results);
         let failure = match over {

@@ -241,10 +241,22 @@ impl Step<'_> {
                 }
             }
         });
-        self.calls.spawn(async move {
-            let result = tool.run(launch.input, &context).await;
-            (call_id, result)
-        });
+        let span = tracing::info_span!("tool", tool = %launch.name, call = %call_id);
+        self.calls.spawn(tracing::Instrument::instrument(
+            async move {
+                let began = std::time::Instant::now();
+                let result = tool.run(launch.input, &context).await;
+                let outcome = match &result {
+                    Ok(_) => "ok".to_owned(),
+                    Err(error) => error.info().kind,
+                };
+                let elapsed = began.elapsed();
+                crate::metrics::tool_ran(tool.name(), &outcome, elapsed);
+                tracing::debug!(%outcome, ms = elapsed.as_millis() as u64, "tool call ended");
+                (call_id, result)
+            },
+            span,
+        ));
         Ok(())
     }
 

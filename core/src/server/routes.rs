@@ -531,6 +531,43 @@ pub async fn mcp_servers(State(state): State<AppState>) -> Json<McpServerList> {
     Json(McpServerList { items })
 }
 
+/// `GET /metrics`: the process's metrics in the Prometheus text format, with the shared
+/// gauges read from the database now.
+pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse> {
+    use crate::store::schema::{session, session_execution, session_request};
+    use diesel::prelude::*;
+    let alive_since = state.store.clock().now_ms() - 3 * state.lease_ms;
+    let shared = state
+        .store
+        .read(move |c| {
+            let sessions: i64 = session::table
+                .filter(session::deleted_at.is_null())
+                .count()
+                .get_result(c)?;
+            let busy: i64 = session_execution::table.count().get_result(c)?;
+            let waiting: i64 = session_request::table
+                .filter(session_request::state.eq("pending"))
+                .select(diesel::dsl::count(session_request::session_id).aggregate_distinct())
+                .get_result(c)?;
+            let nodes = cluster::list(c, alive_since)?.len() as u64;
+            let count = |n: i64| u64::try_from(n).unwrap_or(0);
+            Ok::<_, store::Error>(crate::metrics::Shared {
+                idle: count(sessions - busy - waiting),
+                busy: count(busy),
+                waiting: count(waiting),
+                nodes,
+            })
+        })
+        .await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        crate::metrics::render(shared),
+    ))
+}
+
 pub async fn nodes(State(state): State<AppState>) -> Result<Json<NodeList>> {
     let alive_since = state.store.clock().now_ms() - 3 * state.lease_ms;
     let items = state

@@ -82,6 +82,7 @@ pub async fn session_log(
     let heartbeat = state.heartbeat;
     let store = state.store.clone();
     tokio::spawn(async move {
+        let _open = crate::metrics::stream_opened();
         let mut last = after;
         // Sends the log past `last`; false when the client is gone or the log unreadable.
         let catch_up = |last: u64| {
@@ -176,7 +177,9 @@ pub async fn events(State(state): State<AppState>) -> Events {
     // One slot more than the queue, kept for the `lagged` message.
     let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE + 1);
     tokio::spawn(async move {
+        let _open = crate::metrics::stream_opened();
         let lagged = |reason: String| {
+            crate::metrics::stream_lagged();
             tracing::warn!(%reason, "an /api/event subscriber fell behind and is disconnected");
             let lagged = Lagged {
                 kind: LaggedType::Lagged,

@@ -233,6 +233,7 @@ fn run(
                 Err(_) => break,
             }
         }
+        crate::metrics::store_queue(receiver.len());
         let ordinal = stats.batches.fetch_add(1, Ordering::Relaxed);
         let fail = failpoint.is_some_and(|f| (f.0)(ordinal));
         stats
@@ -297,6 +298,7 @@ enum Attempt {
 
 /// Runs one batch, again from the start after a conflict.
 fn run_batch(connection: &mut Conn, mut batch: Vec<Job>, fail: bool, conflicts: &Conflicts) -> Ran {
+    let started = std::time::Instant::now();
     let mut attempt = 1;
     let ended = loop {
         match attempt_batch(connection, &mut batch, fail, conflicts) {
@@ -309,6 +311,9 @@ fn run_batch(connection: &mut Conn, mut batch: Vec<Job>, fail: bool, conflicts: 
             ended => break ended,
         }
     };
+    if matches!(ended, Attempt::Committed) {
+        crate::metrics::store_committed(batch.len(), started.elapsed());
+    }
     let failure = match ended {
         Attempt::Committed | Attempt::AloneFailed => None,
         Attempt::CommitFailed(message) => Some(message),
