@@ -303,6 +303,7 @@ fn abandon_one(
                 provider_executed: false,
                 effect: Effect::Write,
                 provider_call_id: None,
+                rerun: false,
             }),
         ],
     )?;

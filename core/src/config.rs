@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_schema::types::{Effect, ModelRef};
+use keel_schema::types::ModelRef;
 use serde::Deserialize;
 
 use crate::instructions::Instructions;
@@ -563,11 +563,12 @@ impl Config {
             let mut effects = HashMap::new();
             for (tool, effect) in &entry.effects {
                 let effect = match effect.as_str() {
-                    "read" => Effect::Read,
-                    "write" => Effect::Write,
+                    "read" => mcp::Class::Read,
+                    "idempotent" => mcp::Class::Idempotent,
+                    "write" => mcp::Class::Write,
                     other => {
                         return Err(invalid(format!(
-                            "the effect `{other}` of `{tool}` is not read or write"
+                            "the effect `{other}` of `{tool}` is not read, idempotent or write"
                         )));
                     }
                 };
@@ -1040,7 +1041,7 @@ mod tests {
             }
         );
         assert_eq!(specs[1].timeout, Duration::from_millis(500));
-        assert_eq!(specs[1].effects["get_page"], Effect::Read);
+        assert_eq!(specs[1].effects["get_page"], mcp::Class::Read);
         assert!(!specs[1].eager);
     }
 
@@ -1066,7 +1067,7 @@ mod tests {
         );
         assert!(
             error("[mcp.a]\ncommand = \"x\"\neffects = { t = \"maybe\" }\n")
-                .contains("read or write")
+                .contains("read, idempotent or write")
         );
         assert!(
             error("[mcp.\"a.b\"]\ncommand = \"x\"\n[mcp.a_b]\ncommand = \"y\"\n")

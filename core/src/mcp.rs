@@ -64,7 +64,38 @@ pub struct Spec {
     /// Started when the node starts rather than on first use.
     pub eager: bool,
     /// Effect classes set in `keel.toml`, by the server's tool name.
-    pub effects: HashMap<String, Effect>,
+    pub effects: HashMap<String, Class>,
+}
+
+/// What a tool's calls do, as far as Keel must know: whether they may change anything
+/// (the permission default) and whether one a crash cut off may run again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// Only reads (`readOnlyHint`): runs unasked by default, may run again.
+    Read,
+    /// Changes something, the same way however often it runs (`idempotentHint`): asks
+    /// by default, may run again.
+    Idempotent,
+    /// Anything else: asks by default, never runs again.
+    Write,
+}
+
+impl Class {
+    /// The class the tool's annotations give.
+    fn annotated(annotations: Option<&rmcp::model::ToolAnnotations>) -> Self {
+        match annotations {
+            Some(a) if a.read_only_hint == Some(true) => Self::Read,
+            Some(a) if a.idempotent_hint == Some(true) => Self::Idempotent,
+            _ => Self::Write,
+        }
+    }
+
+    fn effect(self) -> Effect {
+        match self {
+            Self::Read => Effect::Read,
+            Self::Idempotent | Self::Write => Effect::Write,
+        }
+    }
 }
 
 /// The name a server's tool is offered under: `SERVER_TOOL`, with characters the
@@ -180,7 +211,7 @@ impl Servers {
                     tools: seen
                         .tools
                         .iter()
-                        .map(|t| (t.name.clone(), t.effect))
+                        .map(|t| (t.name.clone(), t.class.effect()))
                         .collect(),
                 }
             })
@@ -328,19 +359,18 @@ impl Server {
                     .is_none_or(|patterns| patterns.iter().any(|p| permission::matches(p, &t.name)))
             })
             .map(|t| {
-                let effect = self.spec.effects.get(t.name.as_ref()).copied().unwrap_or(
-                    if t.annotations.as_ref().and_then(|a| a.read_only_hint) == Some(true) {
-                        Effect::Read
-                    } else {
-                        Effect::Write
-                    },
-                );
+                let class = self
+                    .spec
+                    .effects
+                    .get(t.name.as_ref())
+                    .copied()
+                    .unwrap_or_else(|| Class::annotated(t.annotations.as_ref()));
                 Arc::new(McpTool {
                     name: exposed_name(&self.spec.name, &t.name),
                     tool: t.name.to_string(),
                     description: t.description.as_deref().unwrap_or_default().to_owned(),
                     schema: Value::Object((*t.input_schema).clone()),
-                    effect,
+                    class,
                     server: self.clone(),
                 })
             })
@@ -476,7 +506,7 @@ struct McpTool {
     tool: String,
     description: String,
     schema: Value,
-    effect: Effect,
+    class: Class,
     server: Arc<Server>,
 }
 
@@ -490,7 +520,11 @@ impl Tool for McpTool {
     }
 
     fn effect(&self) -> Effect {
-        self.effect
+        self.class.effect()
+    }
+
+    fn rerun_safe(&self) -> bool {
+        self.class != Class::Write
     }
 
     fn input_schema(&self) -> Value {

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use diesel::prelude::*;
 use keel_schema::event::{DurableEvent, Envelope, payload};
-use keel_schema::id::{ExecutionId, InputId, MessageId, SessionId};
+use keel_schema::id::{CallId, ExecutionId, InputId, MessageId, SessionId};
 use keel_schema::types::{Delivery, ErrorInfo, InputKind, InputSource, Outcome, Part, Phase};
 use tokio_util::sync::CancellationToken;
 
@@ -440,10 +440,18 @@ fn recover(
 
     let exhausted = recoveries_in_a_row(connection, session)? + 1 >= MAX_ATTEMPTS;
     let mut events = Vec::new();
+    // Calls an earlier recovery let run again, cut off again: they fail now (once only).
+    for call_id in rerun_pending(connection, session)? {
+        events.push(DurableEvent::ToolFailed(payload::ToolFailed {
+            call_id,
+            error: crate::event::projector::crashed_tool_error(),
+        }));
+    }
     if let Some(assistant_message_id) = open_step {
         events.push(DurableEvent::StepRecovered(payload::StepRecovered {
             assistant_message_id,
             execution_id: execution,
+            rerun: rerunnable(connection, session, assistant_message_id)?,
         }));
     }
     events.push(DurableEvent::ExecutionSettled(payload::ExecutionSettled {
@@ -489,6 +497,59 @@ fn recover(
     })?;
     envelopes.extend(log::read(connection, session, before, u32::MAX)?);
     Ok(Recovered::Continued(session, envelopes))
+}
+
+/// The calls of `step` a crash cut off that may run again: those whose `tool.called`
+/// said so, that had started (a call still waiting for a person never ran, and never
+/// runs without the reply). The rest fail with the step's `step.recovered`.
+fn rerunnable(
+    connection: &mut Conn,
+    session: SessionId,
+    step: MessageId,
+) -> Result<Vec<CallId>, store::Error> {
+    use crate::store::schema::{session_request, session_tool};
+    let session = session.to_string();
+    let waiting = session_request::table
+        .filter(session_request::session_id.eq(&session))
+        .filter(session_request::state.eq("pending"))
+        .select(session_request::call_id);
+    let calls: Vec<String> = session_tool::table
+        .filter(session_tool::session_id.eq(&session))
+        .filter(session_tool::message_id.eq(step.to_string()))
+        .filter(session_tool::status.eq("running"))
+        .filter(session_tool::rerun.eq(true))
+        .filter(session_tool::provider_executed.eq(false))
+        .filter(session_tool::call_id.ne_all(waiting))
+        .order(session_tool::call_id.asc())
+        .select(session_tool::call_id)
+        .load(connection)?;
+    parse_calls(calls)
+}
+
+/// The calls of `session` a recovery let run again that have no result yet.
+pub(crate) fn rerun_pending(
+    connection: &mut Conn,
+    session: SessionId,
+) -> Result<Vec<CallId>, store::Error> {
+    use crate::store::schema::session_tool;
+    let calls: Vec<String> = session_tool::table
+        .filter(session_tool::session_id.eq(session.to_string()))
+        .filter(session_tool::status.eq("pending"))
+        .filter(session_tool::rerun.eq(true))
+        .order(session_tool::call_id.asc())
+        .select(session_tool::call_id)
+        .load(connection)?;
+    parse_calls(calls)
+}
+
+fn parse_calls(calls: Vec<String>) -> Result<Vec<CallId>, store::Error> {
+    calls
+        .into_iter()
+        .map(|c| {
+            c.parse()
+                .map_err(|e| store::Error::Corrupt(format!("tool call id {c}: {e}")))
+        })
+        .collect()
 }
 
 /// Whether the session needs a continuation input to go on after its execution was

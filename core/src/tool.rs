@@ -143,6 +143,11 @@ pub trait Tool: Send + Sync {
     /// One or two sentences for the model.
     fn description(&self) -> &str;
     fn effect(&self) -> Effect;
+    /// Whether a call a crash cut off may run again, once: by default when the tool only
+    /// reads.
+    fn rerun_safe(&self) -> bool {
+        self.effect() == Effect::Read
+    }
     /// The JSON Schema of the input (draft 2020-12).
     fn input_schema(&self) -> Value;
     /// What a permission for this call would cover, matched against permission rules: the

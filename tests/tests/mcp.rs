@@ -377,6 +377,32 @@ start = "serve"
     drop(fixture.wait());
 }
 
+/// Runs a session whose model calls `tool` with `input`, SIGKILLs Keel once the fixture
+/// has received the call, restarts it and reads the log until an execution succeeds.
+/// Returns the client of the restarted server, the session and its events.
+async fn killed_mid_call(
+    fake: &FakeProvider,
+    log: &Path,
+    tool: &str,
+) -> (Server, Client, SessionId, Vec<Envelope>) {
+    let (mut server, client) = start(fake, log, TRUSTING, &["--lease-ms", "2000"]);
+    let session = session(&client, &server).await;
+    client
+        .prompt(session, &PromptRequest::text("go"))
+        .await
+        .unwrap();
+    until_logged(log, &format!("call {tool}")).await;
+    server.kill_and_restart();
+    let client = Client::new(&server.base_url).unwrap();
+    let mut stream = client.session_log(session, 0);
+    let events = read_until(
+        &mut stream,
+        |e| matches!(e, DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded),
+    )
+    .await;
+    (server, client, session, events)
+}
+
 #[tokio::test]
 async fn a_call_cut_by_a_keel_kill_is_reported_interrupted_after_recovery_and_never_sent_again() {
     let dir = tempfile::tempdir().unwrap();
@@ -386,21 +412,7 @@ async fn a_call_cut_by_a_keel_kill_is_reported_interrupted_after_recovery_and_ne
         Canned::chat("It was cut off.", &[]),
     ])
     .await;
-    let (mut server, client) = start(&fake, &log, TRUSTING, &["--lease-ms", "2000"]);
-    let session = session(&client, &server).await;
-    client
-        .prompt(session, &PromptRequest::text("go slowly"))
-        .await
-        .unwrap();
-    until_logged(&log, "call slow").await;
-    server.kill_and_restart();
-    let client = Client::new(&server.base_url).unwrap();
-    let mut stream = client.session_log(session, 0);
-    let events = read_until(
-        &mut stream,
-        |e| matches!(e, DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded),
-    )
-    .await;
+    let (_server, client, session, events) = killed_mid_call(&fake, &log, "slow").await;
     assert!(
         events
             .iter()
@@ -417,4 +429,38 @@ async fn a_call_cut_by_a_keel_kill_is_reported_interrupted_after_recovery_and_ne
         .filter(|l| *l == "call slow")
         .count();
     assert_eq!(calls, 1);
+}
+
+#[tokio::test]
+async fn an_idempotent_call_cut_by_a_keel_kill_runs_again_once_after_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![
+        call("fixture_add", json!({ "a": 2, "b": 3, "ms": 1500 })),
+        Canned::chat("The sum is 5.", &[]),
+    ])
+    .await;
+    let (_server, _, _, events) = killed_mid_call(&fake, &log, "add").await;
+    // Recovery spared the call, the continuation ran it again, and the model saw 5.
+    let spared = events.iter().find_map(|e| match &e.event {
+        DurableEvent::StepRecovered(r) => Some(r.rerun.clone()),
+        _ => None,
+    });
+    assert_eq!(spared.map(|r| r.len()), Some(1), "{events:?}");
+    assert!(
+        matches!(results(&events)[..], [DurableEvent::ToolSuccess(s)]
+            if s.content == [ToolContent::Text { text: "5".into() }]),
+        "{events:?}"
+    );
+    let fixture = fixture_log(&log);
+    let calls = fixture.iter().filter(|l| *l == "call add").count();
+    assert_eq!(calls, 2, "{fixture:?}");
+    assert!(
+        fake.received()
+            .last()
+            .unwrap()
+            .body
+            .to_string()
+            .contains("\"5\"")
+    );
 }

@@ -610,8 +610,18 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
         format!(", {} replies ({accepted} accepted)", replies.len())
     });
     let mcp_calls = mcp_log.lines().filter(|l| l.starts_with("call ")).count();
+    // Read-only and idempotent calls a kill cut off, which recovery let run again.
+    let rerun: usize = logs
+        .iter()
+        .flatten()
+        .filter_map(|e| match &e.event {
+            DurableEvent::StepRecovered(r) => Some(r.rerun.len()),
+            _ => None,
+        })
+        .sum();
     println!(
-        "{} kills, {} sessions, {} violations ({} prompts, {} bash runs, {mcp_calls} MCP calls{replied})",
+        "{} kills, {} sessions, {} violations ({} prompts, {} bash runs, {mcp_calls} MCP calls, \
+         {rerun} calls run again{replied})",
         options.iterations,
         sessions.len(),
         violations.len(),

@@ -231,6 +231,7 @@ impl Projection<'_> {
                 Some(e.usage),
                 e.cost,
                 None,
+                &[],
             ),
             DurableEvent::StepFailed(e) => self.end_step(
                 e.assistant_message_id,
@@ -240,6 +241,7 @@ impl Projection<'_> {
                 e.usage,
                 0.0,
                 None,
+                &[],
             ),
             DurableEvent::StepInterrupted(e) => self.end_step(
                 e.assistant_message_id,
@@ -247,6 +249,7 @@ impl Projection<'_> {
                 None,
                 0.0,
                 Some(interrupted_tool_error(e.reason)),
+                &[],
             ),
             DurableEvent::StepRecovered(e) => self.end_step(
                 e.assistant_message_id,
@@ -256,6 +259,7 @@ impl Projection<'_> {
                 None,
                 0.0,
                 Some(crashed_tool_error()),
+                &e.rerun,
             ),
             DurableEvent::CompactionStarted(e) => match e.input_id {
                 Some(input_id) => self.promote_control(input_id),

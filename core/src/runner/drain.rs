@@ -177,6 +177,10 @@ impl Engine {
             if self.stopping() {
                 return self.hand_back_for_shutdown(&held, ended.take()).await;
             }
+            // Calls a crash cut off that may run again do so before anything else.
+            if first {
+                self.run_reruns(&held, &cancel).await?;
+            }
             let ending = ended.take();
             let assistant = ending.as_ref().map(|e| e.assistant);
             // A step waiting for a person is looked for where one can be: at the first

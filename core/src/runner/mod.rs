@@ -20,6 +20,7 @@
 //! - `fence`: fenced commits and live publishing for a held claim;
 //! - `live`: the hub that fans published events out to subscribers;
 //! - `shutdown`: a planned shutdown's grace, and the continuation it leaves;
+//! - `rerun`: calls a crash cut off that may run again, run once after recovery;
 //! - `settings`, `error`: what a runner is built from, and how a drain fails.
 
 mod burst;
@@ -31,6 +32,7 @@ mod error;
 mod fence;
 mod handle;
 pub mod live;
+mod rerun;
 mod retry;
 mod settings;
 mod shutdown;

@@ -46,7 +46,7 @@ use super::burst::Burst;
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::fence::Held;
 use super::tools::{QUESTION, Ran, result_event};
-use super::translate::Translator;
+use super::translate::{Known, Translator};
 use super::{Agent, Engine, Error, context};
 use crate::event::view;
 use crate::execution;
@@ -195,16 +195,27 @@ async fn next_event(response: &mut Response) -> Option<Result<Event, provider::E
 }
 
 /// The tools the model may call, with their effects.
-fn known_tools(engine: &Engine) -> HashMap<String, Effect> {
-    let mut known: HashMap<String, Effect> = engine
+fn known_tools(engine: &Engine) -> HashMap<String, Known> {
+    let mut known: HashMap<String, Known> = engine
         .settings
         .tools
         .iter()
         .cloned()
         .chain(engine.settings.mcp.ready_tools())
-        .map(|t| (t.name().to_owned(), t.effect()))
+        .map(|t| {
+            let known = Known {
+                effect: t.effect(),
+                rerun: t.rerun_safe(),
+            };
+            (t.name().to_owned(), known)
+        })
         .collect();
-    known.insert(QUESTION.into(), Effect::Read);
+    // A question waits for a person; it is never run again.
+    let question = Known {
+        effect: Effect::Read,
+        rerun: false,
+    };
+    known.insert(QUESTION.into(), question);
     known
 }
 

@@ -15,6 +15,14 @@ use serde_json::Value;
 
 use crate::provider::{self, Event};
 
+/// What the step knows of a tool the model may call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Known {
+    pub effect: Effect,
+    /// A call cut off by a crash may run again ([`crate::tool::Tool::rerun_safe`]).
+    pub rerun: bool,
+}
+
 /// A local call ready to act on once its `tool.called` committed.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Launch {
@@ -35,7 +43,7 @@ struct Call {
 pub(super) struct Translator {
     assistant: MessageId,
     /// Tools the model may call, with their effects.
-    known: HashMap<String, Effect>,
+    known: HashMap<String, Known>,
     /// Tool calls are not run on the last allowed step.
     last_step: bool,
     text: Option<(u32, String)>,
@@ -61,7 +69,7 @@ fn protocol(message: impl Into<String>) -> provider::Error {
 }
 
 impl Translator {
-    pub fn new(assistant: MessageId, known: HashMap<String, Effect>, last_step: bool) -> Self {
+    pub fn new(assistant: MessageId, known: HashMap<String, Known>, last_step: bool) -> Self {
         Self {
             assistant,
             known,
@@ -210,7 +218,8 @@ impl Translator {
                     .remove(&id)
                     .map_or_else(CallId::new, |(call_id, _)| call_id);
                 let parsed = serde_json::from_str::<Value>(&input).map_err(|e| e.to_string());
-                let effect = self.known.get(&name).copied().unwrap_or(Effect::Read);
+                let known = self.known.get(&name).copied();
+                let effect = known.map_or(Effect::Read, |k| k.effect);
                 out.durable
                     .push(DurableEvent::ToolCalled(payload::ToolCalled {
                         assistant_message_id,
@@ -220,6 +229,7 @@ impl Translator {
                         provider_executed,
                         effect,
                         provider_call_id: Some(id.clone()),
+                        rerun: !provider_executed && known.is_some_and(|k| k.rerun),
                     }));
                 let failure = match &parsed {
                     _ if provider_executed => None,

@@ -56,6 +56,7 @@ diesel::table! {
         provider_executed -> Bool,
         input -> Nullable<Text>,
         output -> Nullable<Text>,
+        rerun -> Bool,
     }
 }
 

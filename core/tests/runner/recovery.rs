@@ -1030,3 +1030,207 @@ async fn a_claim_behind_a_newer_assistant_is_quarantined_and_its_session_never_p
         "the model never hears of a restart"
     );
 }
+
+/// A read-only tool whose first `holds` runs report their start and never finish (a
+/// process cut off inside it); later runs answer at once. Counts every run.
+struct Reader {
+    holds: usize,
+    runs: std::sync::atomic::AtomicUsize,
+    started: tokio::sync::mpsc::UnboundedSender<usize>,
+}
+
+impl keel_core::tool::Tool for Reader {
+    fn name(&self) -> &str {
+        "reader"
+    }
+    fn description(&self) -> &str {
+        "Reads something slowly."
+    }
+    fn effect(&self) -> keel_schema::types::Effect {
+        keel_schema::types::Effect::Read
+    }
+    fn input_schema(&self) -> serde_json::Value {
+        json!({"type": "object"})
+    }
+    fn permission_pattern(&self, _: &serde_json::Value, _: &std::path::Path) -> String {
+        String::new()
+    }
+    fn run<'a>(
+        &'a self,
+        _: serde_json::Value,
+        _: &'a keel_core::tool::Context,
+    ) -> keel_core::tool::Run<'a> {
+        Box::pin(async move {
+            let run = self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if run <= self.holds {
+                // The test may have stopped listening; the run holds all the same.
+                self.started.send(run).ok();
+                std::future::pending::<()>().await;
+            }
+            Ok(keel_core::tool::Output {
+                structured: json!({"run": run}),
+                content: vec![keel_schema::types::ToolContent::Text {
+                    text: format!("read on run {run}"),
+                }],
+            })
+        })
+    }
+}
+
+/// A harness whose model calls `reader` (holding its first `holds` runs), then answers.
+async fn reading(
+    holds: usize,
+) -> (
+    Harness,
+    std::sync::Arc<Reader>,
+    tokio::sync::mpsc::UnboundedReceiver<usize>,
+) {
+    let (started, runs) = tokio::sync::mpsc::unbounded_channel();
+    let reader = std::sync::Arc::new(Reader {
+        holds,
+        runs: std::sync::atomic::AtomicUsize::new(0),
+        started,
+    });
+    let h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("reader", json!({}))],
+            vec![text("Read it.")],
+        ])),
+        tools: vec![reader.clone()],
+        ..Setup::default()
+    })
+    .await;
+    (h, reader, runs)
+}
+
+/// The `step.recovered` events of the session's log, and its `reader` call's id.
+async fn recovered(
+    h: &Harness,
+    session: SessionId,
+) -> (Vec<Vec<keel_schema::id::CallId>>, keel_schema::id::CallId) {
+    let log = h.log(session).await;
+    let reruns = log
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::StepRecovered(r) => Some(r.rerun.clone()),
+            _ => None,
+        })
+        .collect();
+    let call = log
+        .iter()
+        .find_map(|e| match &e.event {
+            DurableEvent::ToolCalled(c) if c.name == "reader" => {
+                assert!(c.rerun, "a read-only call may run again");
+                Some(c.call_id)
+            }
+            _ => None,
+        })
+        .unwrap();
+    (reruns, call)
+}
+
+#[tokio::test]
+async fn a_read_only_call_cut_off_by_a_crash_runs_again_once_before_the_model_continues() {
+    let (h, reader, mut started) = reading(1).await;
+    let session = h.prompted("go").await;
+    let _stuck = h.spawn_run(session);
+    assert_eq!(started.recv().await, Some(1));
+
+    h.clock.advance(LEASE + 1);
+    let other = h.other_runner();
+    assert_eq!(
+        Recovery::default().pass(&other).await.unwrap().recovered,
+        vec![session]
+    );
+    h.until_idle(&other, session).await;
+
+    let (reruns, call) = recovered(&h, session).await;
+    assert_eq!(reruns, vec![vec![call]]);
+    assert_eq!(reader.runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+    let log = h.log(session).await;
+    let results: Vec<&DurableEvent> = log
+        .iter()
+        .map(|e| &e.event)
+        .filter(|e| {
+            matches!(
+                e,
+                DurableEvent::ToolSuccess(_) | DurableEvent::ToolFailed(_)
+            )
+        })
+        .collect();
+    assert!(
+        matches!(results[..], [DurableEvent::ToolSuccess(s)] if s.call_id == call),
+        "{results:?}"
+    );
+    // The result came before the model was asked again, and the model saw it.
+    let requests = h.recording.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    assert!(format!("{:?}", requests[1]).contains("read on run 2"));
+    assert!(matches!(&log.last().unwrap().event,
+        DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded));
+}
+
+#[tokio::test]
+async fn a_call_run_again_and_cut_off_again_fails_and_never_runs_a_third_time() {
+    let (h, reader, mut started) = reading(2).await;
+    let session = h.prompted("go").await;
+    let _stuck = h.spawn_run(session);
+    assert_eq!(started.recv().await, Some(1));
+    h.clock.advance(LEASE + 1);
+    let second = h.other_runner();
+    Recovery::default().pass(&second).await.unwrap();
+    // The continuation runs the call again, and that process is cut off inside it too.
+    assert_eq!(started.recv().await, Some(2));
+    h.clock.advance(LEASE + 1);
+    let third = h.other_runner();
+    assert_eq!(
+        Recovery::default().pass(&third).await.unwrap().recovered,
+        vec![session]
+    );
+    h.until_idle(&third, session).await;
+
+    assert_eq!(reader.runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+    let (reruns, call) = recovered(&h, session).await;
+    assert_eq!(
+        reruns,
+        vec![vec![call]],
+        "the second recovery has no open step"
+    );
+    let log = h.log(session).await;
+    assert!(log.iter().any(|e| matches!(&e.event,
+        DurableEvent::ToolFailed(f) if f.call_id == call && f.error.kind == "tool.interrupted-by-crash")));
+    assert!(
+        !log.iter()
+            .any(|e| matches!(&e.event, DurableEvent::ToolSuccess(_)))
+    );
+    assert!(matches!(&log.last().unwrap().event,
+        DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded));
+}
+
+#[tokio::test]
+async fn a_call_that_may_change_something_is_never_run_again_after_a_crash() {
+    let mut h = Harness::new(Setup {
+        script: Some(script(vec![
+            vec![call("gate", json!({}))],
+            vec![text("Told.")],
+        ])),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.prompted("go").await;
+    let _stuck = h.run_to_gate(session).await;
+    h.clock.advance(LEASE + 1);
+    let other = h.other_runner();
+    Recovery::default().pass(&other).await.unwrap();
+    h.until_idle(&other, session).await;
+    let log = h.log(session).await;
+    assert!(log.iter().any(|e| matches!(&e.event,
+        DurableEvent::StepRecovered(r) if r.rerun.is_empty())));
+    assert!(log.iter().any(|e| matches!(&e.event,
+        DurableEvent::ToolFailed(f) if f.error.kind == "tool.interrupted-by-crash")
+        || matches!(&e.event, DurableEvent::StepRecovered(_))));
+    assert!(
+        h.gate_started.try_recv().is_err(),
+        "the gate never ran again"
+    );
+}

@@ -110,6 +110,7 @@ pub async fn write(store: &Store) -> SessionId {
                     provider_executed: false,
                     effect: Effect::Read,
                     provider_call_id: Some("call_a".into()),
+                    rerun: false,
                 }),
                 DurableEvent::ToolCalled(payload::ToolCalled {
                     assistant_message_id: first,
@@ -119,6 +120,7 @@ pub async fn write(store: &Store) -> SessionId {
                     provider_executed: false,
                     effect: Effect::Write,
                     provider_call_id: Some("call_b".into()),
+                    rerun: false,
                 }),
                 // The write waits for a person, who refuses it.
                 DurableEvent::PermissionRequested(payload::PermissionRequested {

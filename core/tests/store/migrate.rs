@@ -355,7 +355,8 @@ async fn a_populated_database_migrated_from_the_initial_schema_keeps_its_rows_an
     use keel_core::store::schema::session_message;
 
     // Newest first: the order they are taken back in.
-    const LATER: [&str; 4] = [
+    const LATER: [&str; 5] = [
+        "2026-12-04-000003_tool_rerun",
         "2026-12-04-000002_permission_rule",
         "2026-12-04-000001_context_epoch_system",
         "2026-12-03-000002_session_request",

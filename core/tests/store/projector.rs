@@ -42,6 +42,7 @@ fn called(message: MessageId, call: CallId, name: &str, effect: Effect) -> Durab
         provider_executed: false,
         effect,
         provider_call_id: None,
+        rerun: false,
     })
 }
 
@@ -260,6 +261,7 @@ async fn step_recovered_fails_unresolved_tools_with_the_crash_error(db: TestDb) 
                 DurableEvent::StepRecovered(payload::StepRecovered {
                     assistant_message_id: message,
                     execution_id: ExecutionId::new(),
+                    rerun: Vec::new(),
                 }),
             ],
         )

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use super::Example;
 use super::payload::{self, sample};
 use crate::id::{CallId, ExecutionId, MessageId, RequestId};
-use crate::types::{ErrorInfo, Finish, Outcome, ToolContent, Usage};
+use crate::types::{Effect, ErrorInfo, Finish, Outcome, ToolContent, Usage};
 
 /// `session.next.tool.success` version 1: every result carried its raw `result` beside the
 /// text the model saw, so large outputs were stored twice.
@@ -180,6 +180,81 @@ impl Example for PermissionRequestedV1 {
             call_id: sample::call(),
             tool: "bash".into(),
             pattern: "cargo test".into(),
+        }
+    }
+}
+
+/// `session.next.tool.called` version 1: no call could run again after a crash.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCalledV1 {
+    pub assistant_message_id: MessageId,
+    pub call_id: CallId,
+    pub name: String,
+    pub input: Value,
+    /// The provider runs this tool itself (a hosted tool); its result arrives in the stream.
+    pub provider_executed: bool,
+    pub effect: Effect,
+    /// The provider's own id for the call, kept to replay it faithfully.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_call_id: Option<String>,
+}
+
+impl From<ToolCalledV1> for payload::ToolCalled {
+    /// Version 1 calls were never run again.
+    fn from(old: ToolCalledV1) -> Self {
+        Self {
+            assistant_message_id: old.assistant_message_id,
+            call_id: old.call_id,
+            name: old.name,
+            input: old.input,
+            provider_executed: old.provider_executed,
+            effect: old.effect,
+            provider_call_id: old.provider_call_id,
+            rerun: false,
+        }
+    }
+}
+
+impl Example for ToolCalledV1 {
+    fn example() -> Self {
+        Self {
+            assistant_message_id: sample::assistant(),
+            call_id: sample::call(),
+            name: "read".into(),
+            input: json!({"path": "tests/login.rs"}),
+            provider_executed: false,
+            effect: Effect::Read,
+            provider_call_id: Some("call_9f2c1a".into()),
+        }
+    }
+}
+
+/// `session.next.step.recovered` version 1: every unresolved call failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StepRecoveredV1 {
+    pub assistant_message_id: MessageId,
+    /// The abandoned execution.
+    pub execution_id: ExecutionId,
+}
+
+impl From<StepRecoveredV1> for payload::StepRecovered {
+    /// Version 1 ran nothing again.
+    fn from(old: StepRecoveredV1) -> Self {
+        Self {
+            assistant_message_id: old.assistant_message_id,
+            execution_id: old.execution_id,
+            rerun: Vec::new(),
+        }
+    }
+}
+
+impl Example for StepRecoveredV1 {
+    fn example() -> Self {
+        Self {
+            assistant_message_id: sample::assistant(),
+            execution_id: sample::execution(),
         }
     }
 }

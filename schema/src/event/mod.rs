@@ -248,7 +248,8 @@ events! {
         ReasoningEnded(payload::ReasoningEnded) = "session.next.reasoning.ended" @ 1;
         ToolInputStarted(payload::ToolInputStarted) = "session.next.tool.input.started" @ 1;
         ToolInputEnded(payload::ToolInputEnded) = "session.next.tool.input.ended" @ 1;
-        ToolCalled(payload::ToolCalled) = "session.next.tool.called" @ 1;
+        ToolCalled(payload::ToolCalled) = "session.next.tool.called" @ 2,
+            legacy [1 => legacy::ToolCalledV1];
         ToolSuccess(payload::ToolSuccess) = "session.next.tool.success" @ 2,
             legacy [1 => legacy::ToolSuccessV1];
         ToolFailed(payload::ToolFailed) = "session.next.tool.failed" @ 1;
@@ -264,7 +265,8 @@ events! {
         StepFailed(payload::StepFailed) = "session.next.step.failed" @ 1;
         StepAwaiting(payload::StepAwaiting) = "session.next.step.awaiting" @ 1;
         StepInterrupted(payload::StepInterrupted) = "session.next.step.interrupted" @ 1;
-        StepRecovered(payload::StepRecovered) = "session.next.step.recovered" @ 1;
+        StepRecovered(payload::StepRecovered) = "session.next.step.recovered" @ 2,
+            legacy [1 => legacy::StepRecoveredV1];
         CompactionStarted(payload::CompactionStarted) = "session.next.compaction.started" @ 1;
         CompactionEnded(payload::CompactionEnded) = "session.next.compaction.ended" @ 1;
         CompactionFailed(payload::CompactionFailed) = "session.next.compaction.failed" @ 1;

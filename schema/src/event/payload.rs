@@ -452,6 +452,10 @@ pub struct ToolCalled {
     /// The provider's own id for the call, kept to replay it faithfully.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider_call_id: Option<String>,
+    /// The call may run again, once, if a crash cuts it off: its tool only reads, or is
+    /// idempotent (an MCP tool's `idempotentHint`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rerun: bool,
 }
 
 impl Example for ToolCalled {
@@ -464,6 +468,7 @@ impl Example for ToolCalled {
             provider_executed: false,
             effect: Effect::Read,
             provider_call_id: Some("call_9f2c1a".into()),
+            rerun: true,
         }
     }
 }
@@ -723,13 +728,18 @@ impl Example for StepInterrupted {
 }
 
 /// Recovery settled a step abandoned by a dead owner. Its projection fails every
-/// unresolved tool call of the step; write tools are never re-run.
+/// unresolved tool call of the step except those in `rerun`; a call that may change
+/// something is never run again.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StepRecovered {
     pub assistant_message_id: MessageId,
     /// The abandoned execution.
     pub execution_id: ExecutionId,
+    /// Unresolved calls marked `rerun` in their `tool.called`: they run again, once,
+    /// before the model continues. Cut off a second time, they fail.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rerun: Vec<CallId>,
 }
 
 impl Example for StepRecovered {
@@ -737,6 +747,7 @@ impl Example for StepRecovered {
         Self {
             assistant_message_id: sample::assistant(),
             execution_id: sample::execution(),
+            rerun: vec![sample::call()],
         }
     }
 }

@@ -5,7 +5,8 @@
 //! Tools (annotations in brackets; "ro" = readOnlyHint, "idem" = idempotentHint,
 //! "destr" = destructiveHint):
 //! - `echo {text}` → `echo: <text>` [ro]
-//! - `add {a, b}` → the sum as text, e.g. `5` [ro=false, idem, destr=false]
+//! - `add {a, b, ms?}` → the sum as text, e.g. `5`, after `ms` milliseconds
+//!   [ro=false, idem, destr=false]
 //! - `fail {}` → a tool-level error (isError) saying `it failed on purpose` [ro]
 //! - `crash {}` → the process exits with code 3 mid-call [ro=false, destr]
 //! - `slow {ms}` → `slept <ms> ms` after waiting, unless cancelled first
@@ -109,6 +110,10 @@ struct EchoArgs {
 struct AddArgs {
     a: i64,
     b: i64,
+    /// How long to think first, in milliseconds (none by default): a call a test can
+    /// cut off.
+    #[serde(default)]
+    ms: u64,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -155,6 +160,7 @@ impl Fixture {
         destructive_hint = false
     ))]
     async fn add(&self, Parameters(args): Parameters<AddArgs>) -> Result<String, ErrorData> {
+        tokio::time::sleep(std::time::Duration::from_millis(args.ms)).await;
         // Overflow is the caller's mistake, so it is reported as bad params
         // rather than wrapping or panicking.
         args.a

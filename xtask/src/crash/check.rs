@@ -311,6 +311,7 @@ mod tests {
                 provider_executed: false,
                 effect: Effect::Write,
                 provider_call_id: None,
+                rerun: false,
             }));
             if n == 0 {
                 events.push(DurableEvent::PermissionRequested(

@@ -218,6 +218,11 @@ impl Projection<'_> {
             }
             .execute(self.connection)?;
         }
+        if e.rerun {
+            diesel::update(session_tool::table.find((session_id, call_id)))
+                .set(session_tool::rerun.eq(true))
+                .execute(self.connection)?;
+        }
         Ok(())
     }
 
@@ -307,7 +312,8 @@ impl Projection<'_> {
     // --- steps --------------------------------------------------------------------------
 
     /// Settles a step. `unresolved` is the error for every call of the step still
-    /// unresolved; `None` requires there to be none.
+    /// unresolved but those in `spared` (which run again after recovery); `None`
+    /// requires there to be none.
     pub(super) fn end_step(
         &mut self,
         id: MessageId,
@@ -315,6 +321,7 @@ impl Projection<'_> {
         usage: Option<Usage>,
         cost: f64,
         unresolved: Option<ErrorInfo>,
+        spared: &[CallId],
     ) -> Result<(), Error> {
         let failed: Vec<CallId> = self.edit_assistant(id, |view| {
             view.require_open()?;
@@ -327,6 +334,7 @@ impl Projection<'_> {
                     ..
                 } = part
                     && matches!(status, ToolStatus::Pending | ToolStatus::Running)
+                    && !spared.contains(call_id)
                 {
                     let Some(reason) = &unresolved else {
                         return Err(format!(
@@ -345,6 +353,13 @@ impl Projection<'_> {
             *view.cost = cost;
             Ok(failed)
         })?;
+        // Spared calls run again after recovery: `pending` (with `rerun`) marks them until
+        // their result, or a second crash's failure, commits.
+        for call_id in spared {
+            diesel::update(session_tool::table.find((self.session_id, call_id.to_string())))
+                .set(session_tool::status.eq("pending"))
+                .execute(self.connection)?;
+        }
         if let Some(reason) = unresolved {
             let output = serde_json::to_string(&ToolOutput::Failure { error: reason })
                 .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;

@@ -5,7 +5,13 @@ use super::*;
 fn translator() -> Translator {
     Translator::new(
         MessageId::new(),
-        HashMap::from([("read".to_owned(), Effect::Read)]),
+        HashMap::from([(
+            "read".to_owned(),
+            Known {
+                effect: Effect::Read,
+                rerun: true,
+            },
+        )]),
         false,
     )
 }
@@ -118,7 +124,13 @@ fn calls_the_model_may_not_make_fail_at_once_and_are_not_launched() {
     assert!(unknown.launch.is_empty());
     let mut last = Translator::new(
         MessageId::new(),
-        HashMap::from([("read".to_owned(), Effect::Read)]),
+        HashMap::from([(
+            "read".to_owned(),
+            Known {
+                effect: Effect::Read,
+                rerun: true,
+            },
+        )]),
         true,
     );
     let late = last

@@ -1,0 +1,1 @@
+ALTER TABLE session_tool DROP COLUMN rerun;
