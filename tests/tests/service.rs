@@ -14,6 +14,14 @@ async fn follow_to_idle(server: &Server, session: &str) -> Vec<Envelope> {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
+    // A buffering reverse proxy is told to pass the events on at once.
+    assert_eq!(
+        response
+            .headers()
+            .get("x-accel-buffering")
+            .and_then(|v| v.to_str().ok()),
+        Some("no")
+    );
     let mut body = response.bytes_stream();
     let mut buffer = String::new();
     let mut events = Vec::new();

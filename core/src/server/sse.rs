@@ -26,19 +26,31 @@ use super::{ApiError, AppState};
 use crate::runner::Live;
 use crate::runner::live::envelope_json;
 
-type Events = Sse<
-    axum::response::sse::KeepAliveStream<
-        futures::stream::BoxStream<'static, Result<Event, Infallible>>,
+/// An event stream, with `X-Accel-Buffering: no` so a reverse proxy that buffers
+/// responses (nginx) passes each event on at once.
+type Events = (
+    [(axum::http::HeaderName, &'static str); 1],
+    Sse<
+        axum::response::sse::KeepAliveStream<
+            futures::stream::BoxStream<'static, Result<Event, Infallible>>,
+        >,
     >,
->;
+);
 
 /// How many events are read from the log at a time.
 const PAGE: u32 = 500;
 
 fn stream(mut rx: mpsc::Receiver<Event>, heartbeat: std::time::Duration) -> Events {
     let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok)));
-    Sse::new(Box::pin(events) as futures::stream::BoxStream<'static, _>)
-        .keep_alive(KeepAlive::new().interval(heartbeat))
+    let sse = Sse::new(Box::pin(events) as futures::stream::BoxStream<'static, _>)
+        .keep_alive(KeepAlive::new().interval(heartbeat));
+    (
+        [(
+            axum::http::HeaderName::from_static("x-accel-buffering"),
+            "no",
+        )],
+        sse,
+    )
 }
 
 fn durable(envelope: &Envelope) -> Option<Event> {
