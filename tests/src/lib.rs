@@ -71,6 +71,8 @@ pub struct Server {
     args: Vec<String>,
     /// `RUST_LOG` for the server.
     log_filter: String,
+    /// More environment variables for the server.
+    env: Vec<(String, String)>,
     /// Everything the server wrote to stderr so far (its log), across restarts.
     log: Arc<Mutex<String>>,
     _dir: tempfile::TempDir,
@@ -91,12 +93,17 @@ impl Server {
     /// Like [`Server::start_with`], on the database `db` (a `postgres://` URL shared by
     /// several servers, say) instead of a SQLite file of its own.
     pub fn start_on(db: Option<&str>, files: &[(&str, &str)], args: &[&str]) -> Self {
-        Self::start_full(db, files, args, "info")
+        Self::start_full(db, files, args, "info", &[])
+    }
+
+    /// Like [`Server::start_with`], with `env` added to the server's environment.
+    pub fn start_with_env(files: &[(&str, &str)], args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::start_full(None, files, args, "info", env)
     }
 
     /// Like [`Server::start`], its log filtered by `filter` (`RUST_LOG`) instead of `info`.
     pub fn start_logging(filter: &str, args: &[&str]) -> Self {
-        Self::start_full(None, &[], args, filter)
+        Self::start_full(None, &[], args, filter, &[])
     }
 
     fn start_full(
@@ -104,6 +111,7 @@ impl Server {
         files: &[(&str, &str)],
         args: &[&str],
         log_filter: &str,
+        env: &[(&str, &str)],
     ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         for (name, content) in files {
@@ -115,9 +123,14 @@ impl Server {
         );
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let log = Arc::new(Mutex::new(String::new()));
-        let (child, base_url) = spawn(dir.path(), &db, &args, log_filter, &log);
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let (child, base_url) = spawn(dir.path(), &db, &args, (log_filter, &env), &log);
         Self {
             log_filter: log_filter.to_owned(),
+            env,
             base_url,
             child,
             db,
@@ -162,7 +175,7 @@ impl Server {
             self._dir.path(),
             &self.db,
             &self.args,
-            &self.log_filter,
+            (&self.log_filter, &self.env),
             &self.log,
         );
         self.child = child;
@@ -201,7 +214,7 @@ fn spawn(
     dir: &Path,
     db: &str,
     args: &[String],
-    log_filter: &str,
+    (log_filter, env): (&str, &[(String, String)]),
     log: &Arc<Mutex<String>>,
 ) -> (std::process::Child, String) {
     use std::io::{BufRead, BufReader};
@@ -212,6 +225,7 @@ fn spawn(
         .env_remove("KEEL_TOKEN")
         .env_remove("KEEL_CONFIG")
         .env("RUST_LOG", log_filter)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -309,23 +309,8 @@ async fn a_slow_call_interrupted_by_the_user_is_cancelled_at_the_server() {
 
 #[tokio::test]
 async fn a_streamable_http_server_is_reached_with_headers_from_the_environment() {
-    use std::io::{BufRead, BufReader};
     let home = std::env::var("HOME").expect("HOME is set");
-    let mut fixture = std::process::Command::new(FIXTURE)
-        .args(["--http", "127.0.0.1:0", "--require-header"])
-        .arg(format!("X-Home={home}"))
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(fixture.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_owned();
+    let (mut fixture, url) = http_fixture(&format!("X-Home={home}"));
     let fake = FakeProvider::start(vec![
         call("remote_add", json!({ "a": 2, "b": 3 })),
         call("remote_picture", json!({})),
@@ -463,4 +448,88 @@ async fn an_idempotent_call_cut_by_a_keel_kill_runs_again_once_after_recovery() 
             .to_string()
             .contains("\"5\"")
     );
+}
+
+/// The `[mcp.…]` example of docs/tools.md, read from the file.
+fn documented_servers() -> String {
+    let docs = std::fs::read_to_string(keel_tests::workspace_root().join("docs/tools.md")).unwrap();
+    let start = docs
+        .find("[mcp.files]")
+        .expect("docs/tools.md holds the MCP example");
+    let block = &docs[start..];
+    block[..block.find("```").expect("the example's block ends")].to_owned()
+}
+
+/// Starts the fixture over streamable HTTP, requiring `header` (`NAME=VALUE`); returns
+/// the process and its URL.
+fn http_fixture(header: &str) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut fixture = std::process::Command::new(FIXTURE)
+        .args(["--http", "127.0.0.1:0", "--require-header", header])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(fixture.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    (fixture, url)
+}
+
+#[tokio::test]
+async fn the_documented_servers_run_with_the_fixture_in_place_of_the_real_ones() {
+    // The example as documented, but for where the servers are: the fixture stands in for
+    // the filesystem server and for the HTTP one, which wants the documented bearer
+    // token from Keel's environment.
+    let (mut remote, url) = http_fixture("Authorization=Bearer from-the-environment");
+    let example = documented_servers();
+    let mut config = String::new();
+    for line in example.lines() {
+        let line = match line.split_whitespace().next() {
+            Some("command") => format!("command = \"{FIXTURE}\""),
+            Some("args") => "args = []".to_owned(),
+            Some("url") => format!("url = \"{url}\""),
+            _ => line.to_owned(),
+        };
+        config.push_str(&line);
+        config.push('\n');
+    }
+    let fake = FakeProvider::start(vec![
+        call("files_echo", json!({ "text": "documented" })),
+        Canned::chat("Done.", &[]),
+    ])
+    .await;
+    let config = format!(
+        "default_model = \"local/m\"\n[provider.local]\nkind = \"openai\"\nbase_url = \"{}/v1\"\n{config}",
+        fake.base_url
+    );
+    let server = Server::start_with_env(
+        &[("keel.toml", &config)],
+        &["--config", "keel.toml"],
+        &[("GITHUB_TOKEN", "from-the-environment")],
+    );
+    let client = Client::new(&server.base_url).unwrap();
+    let session = session(&client, &server).await;
+    let events = run(&client, session, "echo something").await;
+    assert!(
+        matches!(results(&events)[..], [DurableEvent::ToolSuccess(s)]
+            if s.content == [ToolContent::Text { text: "echo: documented".into() }]),
+        "{events:?}"
+    );
+    let servers = client.mcp_servers().await.unwrap().items;
+    let names: Vec<&str> = servers.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["files", "github"]);
+    // `github` started with Keel (`start = "serve"`) and took the token from the
+    // environment; its `tools` filter (`list_*`, `get_issue`) matches none of the
+    // fixture's tools, so it offers none.
+    assert_eq!(servers[1].state, McpState::Ready, "{servers:?}");
+    assert!(servers[1].tools.is_empty(), "{servers:?}");
+    assert!(servers[0].tools.iter().any(|t| t.name == "files_echo"));
+    drop(remote.kill());
+    drop(remote.wait());
 }
