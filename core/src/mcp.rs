@@ -176,8 +176,25 @@ impl Servers {
         self.ready_tools()
     }
 
-    /// The tools of the servers ready now, without starting any.
+    /// The tools of the servers ready now, without starting any: what requests offer.
     pub fn ready_tools(&self) -> Vec<Arc<dyn Tool>> {
+        self.servers
+            .iter()
+            .flat_map(|server| {
+                let seen = lock(&server.seen);
+                match seen.state {
+                    State::Ready => seen.tools.clone(),
+                    _ => Vec::new(),
+                }
+            })
+            .map(|tool| tool as Arc<dyn Tool>)
+            .collect()
+    }
+
+    /// Every tool a server offered when it was last ready, ready now or not: a call the
+    /// model makes of one whose server has failed since fails with the server's reason
+    /// (`tool.unavailable`) rather than as an unknown tool.
+    pub fn known_tools(&self) -> Vec<Arc<dyn Tool>> {
         self.servers
             .iter()
             .flat_map(|server| lock(&server.seen).tools.clone())
@@ -185,7 +202,7 @@ impl Servers {
             .collect()
     }
 
-    /// The tool offered as `name`, if a ready server has it.
+    /// The tool called `name` that a server offered when it was last ready.
     pub fn tool(&self, name: &str) -> Option<Arc<dyn Tool>> {
         self.servers.iter().find_map(|server| {
             lock(&server.seen)
@@ -207,12 +224,15 @@ impl Servers {
                         Transport::Stdio { .. } => "stdio",
                         Transport::Http { .. } => "http",
                     },
+                    tools: match seen.state {
+                        State::Ready => seen
+                            .tools
+                            .iter()
+                            .map(|t| (t.name.clone(), t.class.effect()))
+                            .collect(),
+                        _ => Vec::new(),
+                    },
                     state: seen.state.clone(),
-                    tools: seen
-                        .tools
-                        .iter()
-                        .map(|t| (t.name.clone(), t.class.effect()))
-                        .collect(),
                 }
             })
             .collect()
@@ -310,8 +330,8 @@ impl Server {
             .saturating_mul(1 << (seen.failures - 1).min(6))
             .min(BACKOFF_MAX);
         seen.retry_at = Some(Instant::now() + backoff);
+        // The tools stay known, so a call of one fails with this reason.
         seen.state = State::Failed(reason.clone());
-        seen.tools.clear();
         tracing::warn!(server = %self.spec.name, %reason, retry_in_ms = backoff.as_millis() as u64, "MCP server failed");
         reason
     }

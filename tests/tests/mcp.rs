@@ -246,6 +246,8 @@ async fn a_server_that_dies_mid_call_fails_the_call_and_is_started_again_on_a_la
     let log = dir.path().join("fixture.log");
     let fake = FakeProvider::start(vec![
         call("fixture_crash", json!({})),
+        // Called again at once, during the server's backoff.
+        call("fixture_echo", json!({ "text": "too soon" })),
         Canned::chat("The server died.", &[]),
     ])
     .await;
@@ -254,8 +256,10 @@ async fn a_server_that_dies_mid_call_fails_the_call_and_is_started_again_on_a_la
     let events = run(&client, session, "crash it").await;
     let ended = results(&events);
     assert!(
-        matches!(ended[..], [DurableEvent::ToolFailed(f)]
-            if f.error.kind == "tool.unavailable" && f.error.message.contains("fixture")),
+        matches!(ended[..], [DurableEvent::ToolFailed(crash), DurableEvent::ToolFailed(soon)]
+            if crash.error.kind == "tool.unavailable" && crash.error.message.contains("fixture")
+                && soon.error.kind == "tool.unavailable"
+                && soon.error.message.contains("exited during a call")),
         "{ended:?}"
     );
     let servers = client.mcp_servers().await.unwrap().items;
@@ -532,4 +536,24 @@ async fn the_documented_servers_run_with_the_fixture_in_place_of_the_real_ones()
     assert!(servers[0].tools.iter().any(|t| t.name == "files_echo"));
     drop(remote.kill());
     drop(remote.wait());
+}
+
+#[tokio::test]
+async fn a_server_that_cannot_start_is_reported_failed_and_the_session_goes_on() {
+    let fake = FakeProvider::start(vec![Canned::chat("Hello without tools.", &[])]).await;
+    let config = format!(
+        "default_model = \"local/m\"\n[provider.local]\nkind = \"openai\"\n\
+         base_url = \"{}/v1\"\n[mcp.broken]\ncommand = \"/nonexistent/mcp-server\"\n",
+        fake.base_url
+    );
+    let server = Server::start_with(&[("keel.toml", &config)], &["--config", "keel.toml"]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = session(&client, &server).await;
+    let events = run(&client, session, "hello").await;
+    assert!(matches!(&events.last().unwrap().event,
+        DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded));
+    let servers = client.mcp_servers().await.unwrap().items;
+    assert_eq!(servers[0].state, McpState::Failed);
+    let error = servers[0].error.as_deref().unwrap_or_default();
+    assert!(error.contains("could not be started"), "{error}");
 }

@@ -201,7 +201,7 @@ fn known_tools(engine: &Engine) -> HashMap<String, Known> {
         .tools
         .iter()
         .cloned()
-        .chain(engine.settings.mcp.ready_tools())
+        .chain(engine.settings.mcp.known_tools())
         .map(|t| {
             let known = Known {
                 effect: t.effect(),
