@@ -314,7 +314,7 @@ async fn a_slow_call_interrupted_by_the_user_is_cancelled_at_the_server() {
 #[tokio::test]
 async fn a_streamable_http_server_is_reached_with_headers_from_the_environment() {
     let home = std::env::var("HOME").expect("HOME is set");
-    let (mut fixture, url) = http_fixture(&format!("X-Home={home}"));
+    let (mut fixture, url) = http_fixture(Some(&format!("X-Home={home}")), None);
     let fake = FakeProvider::start(vec![
         call("remote_add", json!({ "a": 2, "b": 3 })),
         call("remote_picture", json!({})),
@@ -464,12 +464,19 @@ fn documented_servers() -> String {
     block[..block.find("```").expect("the example's block ends")].to_owned()
 }
 
-/// Starts the fixture over streamable HTTP, requiring `header` (`NAME=VALUE`); returns
-/// the process and its URL.
-fn http_fixture(header: &str) -> (std::process::Child, String) {
+/// Starts the fixture over streamable HTTP, requiring `header` (`NAME=VALUE`) if given
+/// and logging to `log` if given; returns the process and its URL.
+fn http_fixture(header: Option<&str>, log: Option<&Path>) -> (std::process::Child, String) {
     use std::io::{BufRead, BufReader};
-    let mut fixture = std::process::Command::new(FIXTURE)
-        .args(["--http", "127.0.0.1:0", "--require-header", header])
+    let mut command = std::process::Command::new(FIXTURE);
+    command.args(["--http", "127.0.0.1:0"]);
+    if let Some(header) = header {
+        command.args(["--require-header", header]);
+    }
+    if let Some(log) = log {
+        command.env("FIXTURE_LOG", log);
+    }
+    let mut fixture = command
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -490,7 +497,7 @@ async fn the_documented_servers_run_with_the_fixture_in_place_of_the_real_ones()
     // The example as documented, but for where the servers are: the fixture stands in for
     // the filesystem server and for the HTTP one, which wants the documented bearer
     // token from Keel's environment.
-    let (mut remote, url) = http_fixture("Authorization=Bearer from-the-environment");
+    let (mut remote, url) = http_fixture(Some("Authorization=Bearer from-the-environment"), None);
     let example = documented_servers();
     let mut config = String::new();
     for line in example.lines() {
@@ -556,4 +563,46 @@ async fn a_server_that_cannot_start_is_reported_failed_and_the_session_goes_on()
     assert_eq!(servers[0].state, McpState::Failed);
     let error = servers[0].error.as_deref().unwrap_or_default();
     assert!(error.contains("could not be started"), "{error}");
+}
+
+#[tokio::test]
+async fn over_streamable_http_an_error_result_fails_the_call_and_an_interrupt_cancels_at_the_server()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let (mut fixture, url) = http_fixture(None, Some(&log));
+    let fake = FakeProvider::start(vec![
+        call("remote_fail", json!({})),
+        call("remote_slow", json!({ "ms": 30_000 })),
+    ])
+    .await;
+    let config = format!(
+        "default_model = \"local/m\"\n[provider.local]\nkind = \"openai\"\n\
+         base_url = \"{}/v1\"\n[mcp.remote]\nurl = \"{url}\"\n{TRUSTING}",
+        fake.base_url
+    );
+    let server = Server::start_with(&[("keel.toml", &config)], &["--config", "keel.toml"]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = session(&client, &server).await;
+    let mut stream = client.session_log(session, 0);
+    client
+        .prompt(session, &PromptRequest::text("fail, then wait"))
+        .await
+        .unwrap();
+    until_logged(&log, "call slow").await;
+    assert!(client.interrupt(session).await.unwrap().interrupted);
+    let events = read_until(&mut stream, settled).await;
+    assert!(
+        matches!(results(&events)[..], [DurableEvent::ToolFailed(f)]
+            if f.error.kind == "tool.error" && f.error.message == "it failed on purpose"),
+        "{events:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(&e.event, DurableEvent::StepInterrupted(_)))
+    );
+    until_logged(&log, "cancelled slow").await;
+    drop(fixture.kill());
+    drop(fixture.wait());
 }
