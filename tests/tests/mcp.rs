@@ -606,3 +606,20 @@ async fn over_streamable_http_an_error_result_fails_the_call_and_an_interrupt_ca
     drop(fixture.kill());
     drop(fixture.wait());
 }
+
+#[tokio::test]
+async fn a_stdio_server_is_closed_when_keel_shuts_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![
+        call("fixture_echo", json!({ "text": "before stopping" })),
+        Canned::chat("Echoed.", &[]),
+    ])
+    .await;
+    let (server, client) = start(&fake, &log, "", &[]);
+    let session = session(&client, &server).await;
+    run(&client, session, "echo").await;
+    assert!(!fixture_log(&log).contains(&"closed stdio".to_owned()));
+    server.signal(libc::SIGTERM);
+    until_logged(&log, "closed stdio").await;
+}

@@ -24,7 +24,8 @@
 //!   request that lacks that exact header value.
 //! - `FIXTURE_LOG=<path>` (optional): append one line per tool-call event,
 //!   `call NAME`, `done NAME` or `cancelled NAME`, so tests can see what the
-//!   server did even when the client never got an answer.
+//!   server did even when the client never got an answer; over stdio,
+//!   `closed stdio` once the client closed the connection.
 
 use std::{
     fs::File,
@@ -312,7 +313,13 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
 }
 
 async fn serve_stdio(log: Arc<EventLog>) -> Result<(), BoxError> {
-    Fixture::new(log).serve(stdio()).await?.waiting().await?;
+    Fixture::new(log.clone())
+        .serve(stdio())
+        .await?
+        .waiting()
+        .await?;
+    // The client closed the connection (Keel shut the server down, or exited).
+    log.event("closed", "stdio");
     Ok(())
 }
 
