@@ -8,6 +8,36 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use fake_provider::Canned;
+use futures::StreamExt as _;
+use keel_client::LogStream;
+use keel_client::schema::api::LogItem;
+use keel_client::schema::event::Envelope;
+
+/// How long [`read_until`] waits for the awaited event: a guard against a hang, not a
+/// performance bound.
+pub const PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Reads a session log's durable events until `stop` accepts one; returns all it read.
+/// Fails when the stream ends or errs first, or after [`PATIENCE`].
+pub async fn read_until(log: &mut LogStream, stop: impl Fn(&Envelope) -> bool) -> Vec<Envelope> {
+    let mut events = Vec::new();
+    let read = async {
+        while let Some(item) = log.next().await {
+            if let LogItem::Durable(envelope) = item.expect("the log stream reads") {
+                let done = stop(&envelope);
+                events.push(envelope);
+                if done {
+                    return;
+                }
+            }
+        }
+        panic!("the log ended early");
+    };
+    tokio::time::timeout(PATIENCE, read)
+        .await
+        .expect("the awaited event arrives");
+    events
+}
 
 /// The workspace root.
 pub fn workspace_root() -> &'static Path {

@@ -3,16 +3,13 @@
 //! directory. Bash rules decide per command, the agent's model, tools and temperature go
 //! with its requests, and `GET /api/agents` lists them.
 
-use futures::StreamExt;
-use keel_client::schema::api::{
-    CreateSession, LogItem, PermissionReply, PromptRequest, UpdateSession,
-};
+use keel_client::Client;
+use keel_client::schema::api::{CreateSession, PermissionReply, PromptRequest, UpdateSession};
 use keel_client::schema::event::{DurableEvent, Envelope};
 use keel_client::schema::id::SessionId;
 use keel_client::schema::types::Decision;
-use keel_client::{Client, LogStream};
 use keel_tests::fake_provider::{Canned, FakeProvider};
-use keel_tests::{Server, workspace_root};
+use keel_tests::{Server, read_until, workspace_root};
 use serde_json::{Value, json};
 
 const EXAMPLE: &str = "# keel.toml: agents with their own model, tools and rules";
@@ -27,23 +24,8 @@ fn documented_example() -> String {
     block[..block.find("```").expect("the example's block ends")].to_owned()
 }
 
-/// Reads the log until an event `stop` accepts; returns everything read.
-async fn read_until(log: &mut LogStream, stop: impl Fn(&DurableEvent) -> bool) -> Vec<Envelope> {
-    let mut events = Vec::new();
-    while let Some(item) = log.next().await {
-        if let LogItem::Durable(envelope) = item.unwrap() {
-            let done = stop(&envelope.event);
-            events.push(envelope);
-            if done {
-                return events;
-            }
-        }
-    }
-    panic!("the log ended early");
-}
-
-fn settled(event: &DurableEvent) -> bool {
-    matches!(event, DurableEvent::ExecutionSettled(_))
+fn settled(envelope: &Envelope) -> bool {
+    matches!(envelope.event, DurableEvent::ExecutionSettled(_))
 }
 
 /// Each bash call's command with how it ended: `ran` or the failure's kind.
@@ -143,7 +125,7 @@ async fn the_documented_agents_example_runs_with_its_rules_models_tools_and_inst
         .await
         .unwrap();
     let events = read_until(&mut log, |e| {
-        matches!(e, DurableEvent::PermissionRequested(_))
+        matches!(e.event, DurableEvent::PermissionRequested(_))
     })
     .await;
     let DurableEvent::PermissionRequested(asked) = &events.last().unwrap().event else {

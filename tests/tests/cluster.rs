@@ -14,7 +14,7 @@ use keel_client::schema::event::{DurableEvent, Envelope};
 use keel_client::schema::id::{OwnerId, SessionId};
 use keel_client::schema::types::{Decision, Delivery, Outcome};
 use keel_client::{Client, Error, LogOptions, LogStream};
-use keel_tests::{PostgresDb, Server};
+use keel_tests::{PATIENCE, PostgresDb, Server, read_until};
 use serde_json::json;
 
 const CONFIG: &str = r#"
@@ -25,9 +25,6 @@ script = "script.json"
 [agent.build.permissions]
 "*" = "allow"
 "#;
-
-/// A guard against a hang, not a performance bound.
-const PATIENCE: Duration = Duration::from_secs(120);
 
 /// The first answer runs `bash` until a `go` file appears in the session directory; the
 /// next answers are text.
@@ -49,27 +46,6 @@ fn node(db: &PostgresDb, script: &str) -> Server {
         &[("keel.toml", CONFIG), ("script.json", script)],
         &["--config", "keel.toml", "--lease-ms", "1500"],
     )
-}
-
-/// Reads durable events until `stop` says so.
-async fn read_until(log: &mut LogStream, stop: impl Fn(&Envelope) -> bool) -> Vec<Envelope> {
-    let mut events = Vec::new();
-    let read = async {
-        while let Some(item) = log.next().await {
-            if let LogItem::Durable(envelope) = item.expect("the log stream reads") {
-                let done = stop(&envelope);
-                events.push(envelope);
-                if done {
-                    return;
-                }
-            }
-        }
-        panic!("the log ended early");
-    };
-    tokio::time::timeout(PATIENCE, read)
-        .await
-        .expect("the awaited event arrives");
-    events
 }
 
 fn text_ended(envelope: &Envelope, text: &str) -> bool {

@@ -5,20 +5,18 @@
 use std::path::Path;
 use std::time::Duration;
 
-use futures::StreamExt;
-use keel_client::schema::api::{CreateSession, LogItem, McpState, PromptRequest};
+use keel_client::Client;
+use keel_client::schema::api::{CreateSession, McpState, PromptRequest};
 use keel_client::schema::event::{DurableEvent, Envelope};
 use keel_client::schema::id::SessionId;
 use keel_client::schema::types::{Effect, Outcome, ToolContent};
-use keel_client::{Client, LogStream};
 use keel_tests::Server;
 use keel_tests::fake_provider::{Canned, FakeProvider};
 use serde_json::{Value, json};
 
 const FIXTURE: &str = env!("CARGO_BIN_EXE_keel-mcp-fixture");
 
-/// A guard against a hang, not a performance bound.
-const PATIENCE: Duration = Duration::from_secs(60);
+use keel_tests::{PATIENCE, read_until};
 
 /// `keel.toml` for the fake model and the fixture over stdio, logging to `log`.
 fn config(fake: &FakeProvider, log: &Path, extra: &str) -> String {
@@ -65,28 +63,8 @@ fn call(tool: &str, input: Value) -> Canned {
     Canned::chat("", &[(tool, input)])
 }
 
-async fn read_until(log: &mut LogStream, stop: impl Fn(&DurableEvent) -> bool) -> Vec<Envelope> {
-    let mut events = Vec::new();
-    let read = async {
-        while let Some(item) = log.next().await {
-            if let LogItem::Durable(envelope) = item.unwrap() {
-                let done = stop(&envelope.event);
-                events.push(envelope);
-                if done {
-                    return;
-                }
-            }
-        }
-        panic!("the log ended early");
-    };
-    tokio::time::timeout(PATIENCE, read)
-        .await
-        .expect("the awaited event came");
-    events
-}
-
-fn settled(event: &DurableEvent) -> bool {
-    matches!(event, DurableEvent::ExecutionSettled(_))
+fn settled(envelope: &Envelope) -> bool {
+    matches!(envelope.event, DurableEvent::ExecutionSettled(_))
 }
 
 async fn session(client: &Client, server: &Server) -> SessionId {
@@ -203,7 +181,7 @@ async fn an_mcp_tool_not_known_to_be_read_only_asks_by_default_and_one_that_is_r
         .await
         .unwrap();
     let events = read_until(&mut stream, |e| {
-        matches!(e, DurableEvent::PermissionRequested(_))
+        matches!(e.event, DurableEvent::PermissionRequested(_))
     })
     .await;
     let DurableEvent::PermissionRequested(asked) = &events.last().unwrap().event else {
@@ -292,7 +270,10 @@ async fn a_slow_call_interrupted_by_the_user_is_cancelled_at_the_server() {
         .prompt(session, &PromptRequest::text("take your time"))
         .await
         .unwrap();
-    read_until(&mut stream, |e| matches!(e, DurableEvent::ToolCalled(_))).await;
+    read_until(&mut stream, |e| {
+        matches!(e.event, DurableEvent::ToolCalled(_))
+    })
+    .await;
     // The request reached the server before the interrupt.
     until_logged(&log, "call slow").await;
     assert!(client.interrupt(session).await.unwrap().interrupted);
@@ -386,7 +367,7 @@ async fn killed_mid_call(
     let mut stream = client.session_log(session, 0);
     let events = read_until(
         &mut stream,
-        |e| matches!(e, DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded),
+        |e| matches!(&e.event, DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded),
     )
     .await;
     (server, client, session, events)

@@ -1,11 +1,10 @@
 //! `GET /metrics` end to end: the page parses as Prometheus text, needs the token like
 //! every route but health, and its counters move as a prompt runs on the demo model.
 
-use futures::StreamExt;
-use keel_client::schema::api::{CreateSession, LogItem, PromptRequest};
+use keel_client::Client;
+use keel_client::schema::api::{CreateSession, PromptRequest};
 use keel_client::schema::event::DurableEvent;
-use keel_client::{Client, LogStream};
-use keel_tests::Server;
+use keel_tests::{Server, read_until};
 use prometheus_parse::{Scrape, Value};
 
 const TOKEN: &str = "metrics-test-token";
@@ -37,17 +36,6 @@ fn value(scrape: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-async fn until_settled(log: &mut LogStream) {
-    while let Some(item) = log.next().await {
-        if let LogItem::Durable(envelope) = item.unwrap()
-            && matches!(envelope.event, DurableEvent::ExecutionSettled(_))
-        {
-            return;
-        }
-    }
-    panic!("the log ended before the execution settled");
-}
-
 #[tokio::test]
 async fn the_metrics_page_parses_and_its_counters_move_as_a_prompt_runs() {
     let server = Server::start(&["--token", TOKEN]);
@@ -74,7 +62,10 @@ async fn the_metrics_page_parses_and_its_counters_move_as_a_prompt_runs() {
         .prompt(session, &PromptRequest::text("What is here?"))
         .await
         .unwrap();
-    until_settled(&mut log).await;
+    read_until(&mut log, |e| {
+        matches!(e.event, DurableEvent::ExecutionSettled(_))
+    })
+    .await;
 
     let after = scrape(&server).await;
     assert_eq!(value(&after, "keel_executions_started_total", &[]), 1.0);

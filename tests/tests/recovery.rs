@@ -7,15 +7,13 @@
 //! reported. A step waiting for a permission reply holds no claim: a kill leaves it
 //! waiting, and the reply after the restart runs the tool once.
 
-use futures::StreamExt;
-use keel_client::schema::api::{LogItem, PromptRequest};
+use keel_client::Client;
+use keel_client::schema::api::PromptRequest;
 use keel_client::schema::event::{DurableEvent, Envelope};
 use keel_client::schema::id::SessionId;
 use keel_client::schema::types::{Finish, InputSource, InterruptReason, Outcome};
-use keel_client::{Client, LogStream};
-use keel_tests::Server;
+use keel_tests::{PATIENCE, Server, read_until};
 use serde_json::json;
-use std::time::Duration;
 
 const CONFIG: &str = r#"
 default_model = "test/scripted"
@@ -25,25 +23,6 @@ script = "script.json"
 [agent.build.permissions]
 "*" = "allow"
 "#;
-
-/// Reads durable events until `stop` says so, returning them all.
-async fn read_until(log: &mut LogStream, stop: impl Fn(&Envelope) -> bool) -> Vec<Envelope> {
-    let mut events = Vec::new();
-    while let Some(item) = log.next().await {
-        if let LogItem::Durable(envelope) = item.expect("the log stream reads") {
-            let done = stop(&envelope);
-            events.push(envelope);
-            if done {
-                return events;
-            }
-        }
-    }
-    panic!("the log ended early");
-}
-
-/// How long a test waits for the session to finish before failing (a guard against a
-/// hang, not a performance bound).
-const PATIENCE: Duration = Duration::from_secs(120);
 
 /// The kinds of `events`, without the common prefix.
 fn kinds(events: &[Envelope]) -> Vec<&str> {
