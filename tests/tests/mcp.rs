@@ -604,3 +604,28 @@ async fn a_stdio_server_is_closed_when_keel_shuts_down() {
     server.signal(libc::SIGTERM);
     until_logged(&log, "closed stdio").await;
 }
+
+#[tokio::test]
+async fn a_call_the_server_never_answers_times_out_and_is_cancelled_at_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("fixture.log");
+    let fake = FakeProvider::start(vec![
+        call("fixture_slow", json!({ "ms": 60_000 })),
+        Canned::chat("It never answered.", &[]),
+    ])
+    .await;
+    // A stalled server: the call outlives the server's `timeout_ms`.
+    let config = config(&fake, &log, TRUSTING).replace("timeout_ms = 20000", "timeout_ms = 2000");
+    let server = Server::start_with(&[("keel.toml", &config)], &["--config", "keel.toml"]);
+    let client = Client::new(&server.base_url).unwrap();
+    let session = session(&client, &server).await;
+    let events = run(&client, session, "wait for it").await;
+    assert!(
+        matches!(results(&events)[..], [DurableEvent::ToolFailed(f)] if f.error.kind == "tool.timeout"),
+        "{events:?}"
+    );
+    assert!(matches!(&events.last().unwrap().event,
+        DurableEvent::ExecutionSettled(s) if s.outcome == Outcome::Succeeded));
+    // Giving up sent `notifications/cancelled`: the server stopped the call.
+    until_logged(&log, "cancelled slow").await;
+}
