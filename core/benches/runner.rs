@@ -82,6 +82,7 @@ impl Bench {
                 instructions: Instructions::none(),
                 prices: HashMap::new(),
                 mcp: Default::default(),
+                protected: Default::default(),
             },
         );
         let workspace = tempfile::tempdir().unwrap();

@@ -27,6 +27,7 @@
 //! [agent.build]
 //! system = "You are …"
 //! max_steps = 50
+//! sandbox = "on"                 # bash: on (default), network, off (crate::tool::sandbox)
 //! [agent.build.permissions]
 //! bash = "ask"                   # allow (default), ask, deny
 //! [mcp.github]                   # MCP tool servers (crate::mcp): command + args + env
@@ -190,6 +191,8 @@ pub struct AgentConfig {
     /// By tool name (or name pattern): one word, or a table of patterns to words.
     #[serde(default)]
     pub permissions: HashMap<String, PermissionConfig>,
+    /// How its `bash` runs: `on` (the default), `network` or `off` ([`crate::tool::sandbox`]).
+    pub sandbox: Option<crate::tool::sandbox::Mode>,
 }
 
 /// An agent's system prompt: the text, or `{ file = "…" }` relative to the config file.
@@ -265,6 +268,20 @@ pub struct Config {
     /// Where relative paths in the file are resolved from.
     #[serde(skip)]
     pub base: PathBuf,
+    /// The file it was read from, if any.
+    #[serde(skip)]
+    pub path: Option<PathBuf>,
+}
+
+/// Where `keel serve` keeps its SQLite database when `--db` is not given:
+/// `$KEEL_DATA_HOME`, else `$XDG_DATA_HOME/keel`, else `~/.local/share/keel`. Outside any
+/// project, so the sandbox can keep commands away from it.
+pub fn data_dir() -> Option<PathBuf> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    var("KEEL_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_DATA_HOME").map(|d| PathBuf::from(d).join("keel")))
+        .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".local/share/keel")))
 }
 
 /// The demo provider's name and the default model with no configuration.
@@ -293,6 +310,7 @@ impl Default for Config {
             instructions: InstructionsConfig::default(),
             mcp: HashMap::new(),
             base: PathBuf::from("."),
+            path: None,
         }
     }
 }
@@ -312,7 +330,31 @@ impl Config {
             message,
         })?;
         config.base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        config.path = Some(path.to_owned());
         Ok(config)
+    }
+
+    /// The environment variables that hold keys: the providers' (named by `api_key_env`,
+    /// and the vendors' usual ones) and those MCP headers name. Sandboxed commands never
+    /// see them.
+    pub fn key_variables(&self) -> Vec<String> {
+        let mut names = vec!["OPENAI_API_KEY".to_owned(), "ANTHROPIC_API_KEY".to_owned()];
+        names.extend(self.provider.values().filter_map(|p| p.api_key_env.clone()));
+        for server in self.mcp.values() {
+            for value in server.headers.values() {
+                let mut rest = value.as_str();
+                while let Some(start) = rest.find("${") {
+                    let Some(end) = rest[start..].find('}') else {
+                        break;
+                    };
+                    names.push(rest[start + 2..start + end].to_owned());
+                    rest = &rest[start + end..];
+                }
+            }
+        }
+        names.sort();
+        names.dedup();
+        names
     }
 
     /// Parses the text of a `keel.toml`.
@@ -639,6 +681,7 @@ impl Config {
                 }
                 agent.temperature = Some(temperature);
             }
+            agent.sandbox = entry.sandbox.unwrap_or_default();
             let word = |tool: &str, pattern: Option<&str>, word: &str| {
                 Policy::parse(word).ok_or_else(|| {
                     let which = pattern.map_or_else(String::new, |p| format!(" pattern `{p}`"));
@@ -945,6 +988,45 @@ mod tests {
         let word = error("[agent.a.permissions.bash]\n\"git *\" = \"yes\"\n");
         assert!(word.contains("`yes` for `bash` pattern `git *`"), "{word}");
         assert!(error("[agent.a.permissions]\nbash = {}\n").contains("empty"));
+        let sandbox =
+            Config::parse(&format!("{base}[agent.a]\nsandbox = \"maybe\"\n")).unwrap_err();
+        assert!(sandbox.contains("unknown variant `maybe`"), "{sandbox}");
+    }
+
+    #[test]
+    fn an_agents_sandbox_is_on_unless_it_says_otherwise() {
+        let config = Config::parse(
+            "default_model = \"demo/scripted\"\n[provider.demo]\nkind = \"scripted\"\n\
+             [agent.a]\nsandbox = \"off\"\n[agent.b]\nsandbox = \"network\"\n[agent.c]\n",
+        )
+        .unwrap();
+        let agents = config.agents().unwrap();
+        use crate::tool::sandbox::Mode;
+        assert_eq!(agents["a"].sandbox, Mode::Off);
+        assert_eq!(agents["b"].sandbox, Mode::Network);
+        assert_eq!(agents["c"].sandbox, Mode::On);
+        assert_eq!(agents["build"].sandbox, Mode::On);
+    }
+
+    #[test]
+    fn the_variables_holding_keys_are_named() {
+        let config = Config::parse(
+            "default_model = \"o/m\"\n[provider.o]\nkind = \"openai\"\n\
+             api_key_env = \"LOCAL_KEY\"\n[mcp.gh]\nurl = \"http://127.0.0.1:9/mcp\"\n\
+             headers = { Authorization = \"Bearer ${GITHUB_TOKEN}\", X = \"${A}-${B}\" }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.key_variables(),
+            [
+                "A",
+                "ANTHROPIC_API_KEY",
+                "B",
+                "GITHUB_TOKEN",
+                "LOCAL_KEY",
+                "OPENAI_API_KEY"
+            ]
+        );
     }
 
     #[test]

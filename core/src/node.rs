@@ -11,8 +11,9 @@
 //! The `keel serve` command, the end-to-end tests (through that command) and the server
 //! benchmarks all run a node this way; nothing else wires these parts by hand.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -170,10 +171,20 @@ impl Node {
                 ))
             })?;
 
+        let agents = options.config.agents()?;
+        let protected = Arc::new(tool::sandbox::Protected::new(
+            match &options.db {
+                DbUrl::Sqlite(path) => Some(path.as_path()),
+                DbUrl::Postgres(_) => None,
+            },
+            options.config.path.as_deref(),
+            options.config.key_variables(),
+        ));
+        report_sandbox(&agents, &protected, &root);
         let settings = Settings {
             owner: OwnerId::new(),
             lease_ms: options.lease_ms,
-            agents: options.config.agents()?,
+            agents,
             providers: options.config.providers()?,
             tools: tool::builtins(),
             limits: tool::Limits::default(),
@@ -182,6 +193,7 @@ impl Node {
             instructions: options.config.instructions(),
             prices: options.config.prices(),
             mcp: Arc::new(crate::mcp::Servers::new(options.config.mcp_servers()?)),
+            protected,
         };
         let store = Store::open(options.db.clone(), options.store.clone()).await?;
         let runner = Runner::new(store.clone(), settings);
@@ -323,5 +335,46 @@ impl Node {
             .await?;
         tracing::info!(expired, "claims handed back");
         served
+    }
+}
+
+/// Says at start-up how sandboxed commands will fare: refused everywhere when the kernel
+/// cannot sandbox, or in the session directories that hold Keel's own files.
+fn report_sandbox(
+    agents: &HashMap<String, crate::runner::Agent>,
+    protected: &tool::sandbox::Protected,
+    root: &Path,
+) {
+    let sandboxed: Vec<&str> = agents
+        .iter()
+        .filter(|(_, a)| a.sandbox != tool::sandbox::Mode::Off)
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if sandboxed.is_empty() {
+        tracing::warn!("every agent has sandbox = \"off\": bash runs with Keel's own rights");
+        return;
+    }
+    match tool::sandbox::status() {
+        Ok(abi) => tracing::info!(landlock_abi = abi, "bash runs sandboxed (Landlock)"),
+        Err(reason) => tracing::warn!(
+            agents = ?sandboxed,
+            "bash cannot be sandboxed here ({reason}), so the bash calls of these agents \
+             will be refused; give an agent sandbox = \"off\" in keel.toml to run its \
+             commands unconfined"
+        ),
+    }
+    if let Some(db) = protected.database.last().filter(|p| p.starts_with(root)) {
+        tracing::warn!(
+            database = %db.display(),
+            "the database is inside the sessions' root: sandboxed bash calls will be \
+             refused in session directories that hold it; keep it elsewhere (--db)"
+        );
+    }
+    if let Some(config) = protected.config.as_ref().filter(|p| p.starts_with(root)) {
+        tracing::warn!(
+            config = %config.display(),
+            "the configuration is inside the sessions' root: sandboxed commands in a \
+             session directory that holds it can read and change it"
+        );
     }
 }

@@ -23,6 +23,7 @@ mod input;
 pub mod list;
 mod path;
 pub mod read;
+pub mod sandbox;
 mod truncate;
 mod walk;
 pub mod write;
@@ -53,6 +54,8 @@ pub struct Context {
     /// them to its command as `KEEL_SESSION_ID` and `KEEL_CALL_ID` (an idempotency key
     /// for scripts that change the world).
     pub call: Option<(SessionId, CallId)>,
+    /// The sandbox `bash` runs its command in; `None`: none (the agent's `sandbox = "off"`).
+    pub sandbox: Option<sandbox::Sandbox>,
 }
 
 /// Output limits.
@@ -114,6 +117,9 @@ pub enum Error {
     /// An MCP tool answered with an error result.
     #[error("{0}")]
     Failed(String),
+    /// The sandbox refused the call before it ran ([`sandbox`]).
+    #[error("blocked by sandbox: {0}")]
+    Sandbox(String),
 }
 
 impl Error {
@@ -129,6 +135,7 @@ impl Error {
             Self::Io(_) => "tool.io",
             Self::Unavailable(_) => "tool.unavailable",
             Self::Failed(_) => "tool.error",
+            Self::Sandbox(_) => "tool.sandbox",
         };
         ErrorInfo::new(kind, self.to_string())
     }

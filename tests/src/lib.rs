@@ -106,6 +106,9 @@ pub struct Server {
     /// Everything the server wrote to stderr so far (its log), across restarts.
     log: Arc<Mutex<String>>,
     _dir: tempfile::TempDir,
+    /// Where the SQLite database lives: outside the server's directory (the sessions'
+    /// default), as a sandboxed `bash` needs.
+    _data: tempfile::TempDir,
 }
 
 impl Server {
@@ -147,8 +150,9 @@ impl Server {
         for (name, content) in files {
             std::fs::write(dir.path().join(name), content).expect("a test file is written");
         }
+        let data = tempfile::tempdir().expect("a temporary directory");
         let db = db.map_or_else(
-            || format!("sqlite://{}", dir.path().join("keel.db").display()),
+            || format!("sqlite://{}", data.path().join("keel.db").display()),
             str::to_owned,
         );
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
@@ -167,6 +171,7 @@ impl Server {
             args,
             log,
             _dir: dir,
+            _data: data,
         }
     }
 

@@ -3,7 +3,8 @@
 //!
 //! Starts the real `keel serve` on a temporary SQLite database with a scripted model
 //! whose turns stream text, read files, write files, run `bash` commands that record
-//! every real execution (by `KEEL_CALL_ID`) in a side file, and call two tools of an MCP
+//! every real execution (by `KEEL_CALL_ID`) in a side file of their session directory
+//! (the commands run sandboxed, as by default), and call two tools of an MCP
 //! server (the repository's `keel-mcp-fixture` over stdio): `echo`, read-only, and
 //! `record`, which appends to a file and is neither read-only nor idempotent. Clients prompt (queued and
 //! steering, with client-chosen ids) and interrupt many sessions concurrently while the
@@ -236,16 +237,17 @@ fn build(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
         .collect()
 }
 
+/// The file each session's `bash` calls record their runs in, in its directory.
+const SIDE_FILE: &str = "executions.log";
+
 /// How many times the script's round of turns repeats.
 const ROUNDS: usize = 40;
 
 /// The model's turns, in the order a session reaches them (the scripted model plays the
 /// response whose index is the number of assistant turns so far; the last repeats).
-fn script(side_file: &Path, records: &Path) -> serde_json::Value {
-    let record = format!(
-        "echo \"$KEEL_CALL_ID\" >> '{}'; sleep 0.1",
-        side_file.display()
-    );
+fn script(records: &Path) -> serde_json::Value {
+    // In the session directory: the only place a sandboxed command may write.
+    let record = format!("echo \"$KEEL_CALL_ID\" >> {SIDE_FILE}; sleep 0.1");
     let text = |t: &str| serde_json::json!({ "type": "text", "text": t, "chunks": 4 });
     let delay = |ms: u64| serde_json::json!({ "type": "delay", "ms": ms });
     let call = |name: &str, input: serde_json::Value| serde_json::json!({ "type": "tool_call", "name": name, "input": input });
@@ -468,12 +470,8 @@ async fn act(
 }
 
 async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Result<Vec<String>> {
-    let side_file = dir.join("executions.log");
     let (records, fixture_log) = (dir.join("mcp-records.txt"), dir.join("mcp.log"));
-    std::fs::write(
-        dir.join("script.json"),
-        script(&side_file, &records).to_string(),
-    )?;
+    std::fs::write(dir.join("script.json"), script(&records).to_string())?;
     let mut config = "default_model = \"crash/scripted\"\n[provider.crash]\nkind = \"scripted\"\n\
          script = \"script.json\"\n"
         .to_owned();
@@ -566,7 +564,12 @@ async fn campaign(binary: &Path, dir: &Path, db: &str, options: &Options) -> Res
         ));
     }
     let ledger = lock(&ledger).clone();
-    let executed = std::fs::read_to_string(&side_file).unwrap_or_default();
+    let executed: String = (0..options.sessions)
+        .map(|i| {
+            let file = dir.join("sessions").join(i.to_string()).join(SIDE_FILE);
+            std::fs::read_to_string(file).unwrap_or_default()
+        })
+        .collect();
     let mut runs: HashMap<&str, usize> = HashMap::new();
     for call in executed.lines() {
         *runs.entry(call).or_default() += 1;

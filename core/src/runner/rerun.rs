@@ -27,17 +27,18 @@ impl Engine {
             .read(move |c| {
                 let calls = crate::recovery::rerun_pending(c, session)?;
                 if calls.is_empty() {
-                    return Ok((Vec::new(), None));
+                    return Ok((Vec::new(), None, None));
                 }
                 let mut found = Vec::new();
                 for call in calls {
                     found.push((call, call_input(c, session, call)?));
                 }
                 let info = crate::event::view::session_info(c, session)?;
-                Ok::<_, crate::store::Error>((found, info.map(|i| i.directory)))
+                let (directory, agent) = info.map(|i| (i.directory, i.agent)).unzip();
+                Ok::<_, crate::store::Error>((found, directory, agent))
             })
             .await?;
-        let (calls, directory) = pending;
+        let (calls, directory, agent) = pending;
         if calls.is_empty() {
             return Ok(());
         }
@@ -48,6 +49,7 @@ impl Engine {
         let directory = directory
             .and_then(|d| std::fs::canonicalize(d).ok())
             .unwrap_or_default();
+        let sandbox = self.settings.sandbox(agent.as_deref().unwrap_or("build"));
         for (call_id, (name, input)) in calls {
             if !self.owns(held) {
                 return Err(Error::OwnershipLost(session));
@@ -64,6 +66,7 @@ impl Engine {
                         limits: self.settings.limits,
                         progress: None,
                         call: Some((session, call_id)),
+                        sandbox: sandbox.clone(),
                     };
                     tool.run(input, &context).await
                 }

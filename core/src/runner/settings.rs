@@ -27,6 +27,8 @@ pub struct Agent {
     /// Which tools the model is offered, as name patterns (`github_*`); `None`: all.
     pub tools: Option<Vec<String>>,
     pub temperature: Option<f64>,
+    /// How its `bash` commands are confined ([`tool::sandbox`]).
+    pub sandbox: tool::sandbox::Mode,
 }
 
 impl Agent {
@@ -49,6 +51,7 @@ impl Default for Agent {
             model: None,
             tools: None,
             temperature: None,
+            sandbox: tool::sandbox::Mode::default(),
         }
     }
 }
@@ -75,6 +78,8 @@ pub struct Settings {
     pub prices: HashMap<String, Prices>,
     /// MCP tool servers, whose tools are offered beside `tools`.
     pub mcp: Arc<crate::mcp::Servers>,
+    /// What sandboxed commands may not touch: Keel's database, configuration and keys.
+    pub protected: Arc<tool::sandbox::Protected>,
 }
 
 /// What a model costs, in currency units per million tokens of each kind.
@@ -100,6 +105,13 @@ impl Prices {
 }
 
 impl Settings {
+    /// The sandbox of the agent named `agent`'s commands; `None` when it has
+    /// `sandbox = "off"` (an unknown agent gets the default).
+    pub(super) fn sandbox(&self, agent: &str) -> Option<tool::sandbox::Sandbox> {
+        let mode = self.agent(agent).unwrap_or_default().sandbox;
+        tool::sandbox::Sandbox::for_mode(mode, &self.protected)
+    }
+
     /// The agent named `name`: a configured one, or the built-in `build`.
     pub(super) fn agent(&self, name: &str) -> Option<Agent> {
         match self.agents.get(name) {

@@ -221,6 +221,10 @@ impl Step<'_> {
             limits: engine.settings.limits,
             progress: Some(progress_tx),
             call: Some((held.claim.session_id, call_id)),
+            sandbox: tool::sandbox::Sandbox::for_mode(
+                self.agent.sandbox,
+                &engine.settings.protected,
+            ),
         };
         let live = engine.live.clone();
         let session = held.claim.session_id;

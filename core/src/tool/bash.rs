@@ -18,8 +18,14 @@
 //! Run for a session, the command sees `KEEL_SESSION_ID` and `KEEL_CALL_ID`: a script
 //! that changes the world can use the call id as an idempotency key.
 //!
-//! `bash` is not a sandbox: the command can do anything the user running Keel can. The
-//! permission policy is what guards it.
+//! With a [`Sandbox`] in the context (every agent's default) the command runs confined
+//! ([`super::sandbox`]): it writes only in the session directory and its own `$TMPDIR`,
+//! cannot read Keel's database or configuration, has no network unless allowed, and
+//! inherits none of Keel's secrets. A refusal the sandbox makes before the command runs
+//! fails the call with [`Error::Sandbox`]; when a command fails on a denied access, the
+//! output ends with a `blocked by sandbox: …` line saying what the sandbox allows, so the
+//! model can adapt. Without one, the command can do anything the user running Keel can,
+//! and the permission policy is what guards it.
 //!
 //! [`Limits::max_output_bytes`]: super::Limits::max_output_bytes
 
@@ -27,6 +33,7 @@ use std::io::{self, Read as _};
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::Path;
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use keel_schema::types::Effect;
@@ -38,6 +45,7 @@ use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 
+use super::sandbox::{Prepared, Sandbox};
 use super::truncate::Capped;
 use super::{Context, Error, Output, Run, Tool, input, text};
 
@@ -101,6 +109,19 @@ async fn run(command: &str, timeout_ms: u64, context: &Context) -> Result<Output
         return Err(Error::Interrupted);
     }
     let failed = |e: io::Error| Error::Io(format!("could not run bash: {e}"));
+    let sandbox = match &context.sandbox {
+        Some(sandbox) => {
+            let name = context
+                .call
+                .map_or_else(|| "bash".to_owned(), |(_, call)| call.to_string());
+            let (sandbox, directory) = (sandbox.clone(), context.directory.clone());
+            // Building the rules lists directories and opens the paths granted.
+            let prepared =
+                super::blocking(move || Prepared::new(&sandbox, &directory, &name)).await?;
+            Some(Arc::new(prepared))
+        }
+        None => None,
+    };
     let (output_tx, mut output_rx) = pipe::pipe().map_err(failed)?;
     // The child's end must block: a child writing to a non-blocking stdout gets EAGAIN.
     let stdout = output_tx.into_blocking_fd().map_err(failed)?;
@@ -118,6 +139,9 @@ async fn run(command: &str, timeout_ms: u64, context: &Context) -> Result<Output
         if let Some((session, call)) = context.call {
             cmd.env("KEEL_SESSION_ID", session.to_string())
                 .env("KEEL_CALL_ID", call.to_string());
+        }
+        if let (Some(prepared), Some(Sandbox { protected, .. })) = (&sandbox, &context.sandbox) {
+            confine(&mut cmd, prepared, protected);
         }
         cmd.spawn().map_err(failed)?
         // `cmd` drops here with our copies of the pipe's write end, so the read end sees
@@ -166,7 +190,25 @@ async fn run(command: &str, timeout_ms: u64, context: &Context) -> Result<Output
         drain(output_rx, &mut output, &mut progress)?;
     }
     progress.flush();
-    Ok(result(status, output))
+    Ok(result(status, output, sandbox.as_deref()))
+}
+
+/// Runs `cmd` in the prepared sandbox, without Keel's secrets in its environment.
+fn confine(cmd: &mut Command, prepared: &Arc<Prepared>, protected: &super::sandbox::Protected) {
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(|n| protected.hides_variable(n)) {
+            cmd.env_remove(name);
+        }
+    }
+    for variable in ["TMPDIR", "TMP", "TEMP"] {
+        cmd.env(variable, prepared.temp());
+    }
+    let prepared = prepared.clone();
+    // SAFETY: `apply` makes only system calls (no allocation, no lock), which is what may
+    // run between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || prepared.apply());
+    }
 }
 
 /// Reads what is already in the pipe without waiting for writers that are still alive.
@@ -197,10 +239,17 @@ fn drain(
     Ok(())
 }
 
-fn result(status: ExitStatus, output: Capped) -> Output {
+/// Messages of the errors a sandbox's refusals surface as (EACCES, EPERM).
+const DENIALS: &[&str] = &["Permission denied", "Operation not permitted"];
+
+fn result(status: ExitStatus, output: Capped, sandbox: Option<&Prepared>) -> Output {
     let empty = output.is_empty();
     let output = output.finish();
     let mut shown = output.text.clone();
+    // A failed command that was refused something may have met the sandbox rather than
+    // the file's own permissions: say what the sandbox allows, so the model can adapt.
+    let blocked = sandbox
+        .filter(|_| status.code() != Some(0) && DENIALS.iter().any(|d| output.text.contains(d)));
     let ending = match (status.code(), status.signal()) {
         (Some(0), _) => None,
         (Some(code), _) => Some(format!("exit code {code}")),
@@ -218,13 +267,32 @@ fn result(status: ExitStatus, output: Capped) -> Output {
         None if empty => shown = "(no output)".to_owned(),
         None => {}
     }
+    if let Some(prepared) = blocked {
+        shown.push_str(&format!(
+            "\nblocked by sandbox: a command here may write only in the session directory \
+             and $TMPDIR, cannot read Keel's own files{}; a denial above may come from it. \
+             Work within that, or ask the user.",
+            if prepared.network() {
+                ""
+            } else {
+                " and has no network"
+            }
+        ));
+    }
+    let mut structured = json!({
+        "exit_code": status.code(),
+        "signal": status.signal(),
+        "output": output.text,
+        "truncated": output.truncated,
+    });
+    if let Some(prepared) = sandbox {
+        structured["sandbox"] = json!({
+            "network": prepared.network(),
+            "blocked": blocked.is_some(),
+        });
+    }
     Output {
-        structured: json!({
-            "exit_code": status.code(),
-            "signal": status.signal(),
-            "output": output.text,
-            "truncated": output.truncated,
-        }),
+        structured,
         content: text(shown),
     }
 }

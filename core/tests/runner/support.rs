@@ -331,6 +331,7 @@ impl Harness {
             instructions: setup.instructions.unwrap_or_else(Instructions::none),
             prices: setup.prices,
             mcp: Arc::new(keel_core::mcp::Servers::new(setup.mcp)),
+            protected: Arc::new(tool::sandbox::Protected::new(Some(&db), None, Vec::new())),
         };
         let runner = Runner::new(store.clone(), settings.clone());
         Self {

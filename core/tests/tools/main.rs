@@ -7,5 +7,6 @@ mod bash;
 mod confinement;
 mod input;
 mod read;
+mod sandbox;
 mod search;
 mod write;

@@ -48,6 +48,7 @@ impl Session {
             limits,
             progress: None,
             call: None,
+            sandbox: None,
         };
         Self {
             _tmp: tmp,

@@ -17,9 +17,11 @@ pub struct Serve {
     /// keel.toml; without one, the built-in scripted demo model is served.
     #[arg(long, env = "KEEL_CONFIG")]
     config: Option<PathBuf>,
-    /// sqlite://PATH (taken literally) or postgres://user@host:port/db.
-    #[arg(long, env = "KEEL_DB", default_value = "sqlite://keel.db")]
-    db: String,
+    /// sqlite://PATH (taken literally) or postgres://user@host:port/db; by default
+    /// keel.db in Keel's data directory ($KEEL_DATA_HOME, $XDG_DATA_HOME/keel or
+    /// ~/.local/share/keel).
+    #[arg(long, env = "KEEL_DB")]
+    db: Option<String>,
     /// Address to listen on; port 0 picks a free port.
     #[arg(long, env = "KEEL_LISTEN", default_value = "127.0.0.1:4096")]
     listen: SocketAddr,
@@ -66,7 +68,10 @@ pub enum LogFormat {
 
 pub async fn serve(args: Serve) -> Result<()> {
     let config = Config::load(args.config.as_deref())?;
-    let db: DbUrl = args.db.parse()?;
+    let db: DbUrl = match &args.db {
+        Some(db) => db.parse()?,
+        None => default_db()?,
+    };
     let options = Options {
         store: store::Options {
             read_connections: args.db_readers,
@@ -99,6 +104,16 @@ pub async fn serve(args: Serve) -> Result<()> {
     });
     node.run(shutdown).await?;
     Ok(())
+}
+
+/// keel.db in Keel's data directory, which is created if missing.
+fn default_db() -> Result<DbUrl> {
+    let dir = keel_core::config::data_dir().ok_or_else(|| {
+        anyhow::anyhow!("no place for the database: set --db, KEEL_DATA_HOME or HOME")
+    })?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| anyhow::anyhow!("could not create {}: {e}", dir.display()))?;
+    Ok(DbUrl::Sqlite(dir.join("keel.db")))
 }
 
 async fn wait_for_signal() {
