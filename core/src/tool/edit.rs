@@ -8,9 +8,10 @@ use keel_schema::types::Effect;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::io::{Read as _, Seek as _, Write as _};
 use std::path::Path;
 
-use super::path::{self, Resolved};
+use super::path::{self, Beneath, Resolved};
 use super::{Context, Error, Output, Run, Tool, blocking, input, text};
 
 /// The `edit` tool.
@@ -60,19 +61,28 @@ impl Tool for Edit {
                 ));
             }
             let file = path::resolve(&context.directory, &input.path)?;
-            blocking(move || edit(&file, &input.old, &input.new)).await
+            let root = context.directory.clone();
+            blocking(move || edit(&Beneath::new(&root)?, &file, &input.old, &input.new)).await
         })
     }
 }
 
-fn edit(file: &Resolved, old: &str, new: &str) -> Result<Output, Error> {
+fn edit(beneath: &Beneath, file: &Resolved, old: &str, new: &str) -> Result<Output, Error> {
     let shown = file.shown.as_str();
-    let io = |e: std::io::Error| Error::from_io(shown, &e);
-    let meta = std::fs::metadata(&file.real).map_err(io)?;
-    if !meta.is_file() {
-        return Err(Error::Io(format!("`{shown}` is not a regular file")));
+    let io = |e: std::io::Error| path::failure(shown, &e);
+    let not_regular = || Error::Io(format!("`{shown}` is not a regular file"));
+    let flags = libc::O_RDWR | libc::O_NONBLOCK | libc::O_NOCTTY;
+    let mut handle = beneath
+        .open(&file.real, flags, 0)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::EISDIR | libc::ENXIO) => not_regular(),
+            _ => io(e),
+        })?;
+    if !handle.metadata().map_err(io)?.is_file() {
+        return Err(not_regular());
     }
-    let bytes = std::fs::read(&file.real).map_err(io)?;
+    let mut bytes = Vec::new();
+    handle.read_to_end(&mut bytes).map_err(io)?;
     let current = String::from_utf8(bytes).map_err(|_| {
         Error::Io(format!(
             "`{shown}` is not UTF-8 text; `edit` changes text files"
@@ -94,7 +104,9 @@ fn edit(file: &Resolved, old: &str, new: &str) -> Result<Output, Error> {
     updated.push_str(&current[..at]);
     updated.push_str(new);
     updated.push_str(&current[at + old.len()..]);
-    std::fs::write(&file.real, updated).map_err(io)?;
+    handle.rewind().map_err(io)?;
+    handle.set_len(0).map_err(io)?;
+    handle.write_all(updated.as_bytes()).map_err(io)?;
     Ok(Output {
         structured: json!({ "path": shown, "replacements": 1 }),
         content: text(format!("edited `{shown}`")),

@@ -15,6 +15,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::path::Beneath;
 use super::truncate::truncate;
 use super::{Context, Error, Output, Run, Tool, blocking, input, text, walk};
 
@@ -61,7 +62,7 @@ impl Tool for Glob {
             let cancel = context.cancel.clone();
             blocking(move || {
                 let mut found = Vec::new();
-                walk::files(&root, &root, &cancel, |file| {
+                walk::files(&Beneath::new(&root)?, &root, &cancel, |file| {
                     if matcher.matched(&file.shown, false).is_ignore() {
                         found.push(file.shown);
                     }

@@ -16,9 +16,10 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::path::{self, Beneath};
 use super::truncate::Capped;
 use super::walk::{self, File};
-use super::{Context, Error, Output, Run, Tool, blocking, input, path, text};
+use super::{Context, Error, Output, Run, Tool, blocking, input, text};
 
 /// Characters of a matching line shown; the rest is elided.
 const MAX_LINE_CHARS: usize = 500;
@@ -76,11 +77,12 @@ impl Tool for Grep {
             let max = context.limits.max_output_bytes;
             let cancel = context.cancel.clone();
             blocking(move || {
+                let beneath = Beneath::new(&root)?;
                 let mut out = Capped::new(max);
                 let mut matches = 0usize;
                 let mut files = 0usize;
-                walk::files(&root, &start.real, &cancel, |file| {
-                    let found = search(&regex, &file, &mut out);
+                walk::files(&beneath, &start.real, &cancel, |file| {
+                    let found = search(&beneath, &regex, &file, &mut out);
                     matches += found;
                     files += usize::from(found > 0);
                 })?;
@@ -107,8 +109,8 @@ impl Tool for Grep {
 
 /// Appends the matching lines of `file` to `out`; returns how many matched. A file that
 /// cannot be read, or is binary, has none.
-fn search(regex: &Regex, file: &File, out: &mut Capped) -> usize {
-    let Ok(handle) = std::fs::File::open(&file.real) else {
+fn search(beneath: &Beneath, regex: &Regex, file: &File, out: &mut Capped) -> usize {
+    let Ok(handle) = beneath.open(&file.real, path::READ, 0) else {
         return 0;
     };
     let mut reader = BufReader::with_capacity(SNIFF_BYTES, handle);

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use std::path::Path;
 
-use super::path::{self, Resolved};
+use super::path::{self, Beneath, Resolved};
 use super::truncate::{Truncated, truncate};
 use super::{Context, Error, Output, Run, Tool, blocking, input, text};
 
@@ -62,21 +62,26 @@ impl Tool for List {
     }
 }
 
-fn list(root: &std::path::Path, dir: &Resolved, max_bytes: usize) -> Result<Output, Error> {
+fn list(root: &Path, dir: &Resolved, max_bytes: usize) -> Result<Output, Error> {
     let shown = dir.shown.as_str();
-    let io = |e: std::io::Error| Error::from_io(shown, &e);
-    let meta = std::fs::metadata(&dir.real).map_err(io)?;
-    if !meta.is_dir() {
-        return Err(Error::Io(format!(
+    let io = |e: std::io::Error| path::failure(shown, &e);
+    let not_a_directory = || {
+        Error::Io(format!(
             "`{shown}` is not a directory; use `read` to see a file"
-        )));
-    }
+        ))
+    };
+    let handle = Beneath::new(root)?
+        .open(&dir.real, path::READ | libc::O_DIRECTORY, 0)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOTDIR) => not_a_directory(),
+            _ => io(e),
+        })?;
     let mut names = Vec::new();
-    for entry in std::fs::read_dir(&dir.real).map_err(io)? {
+    for entry in path::read_dir(&handle).map_err(io)? {
         let entry = entry.map_err(io)?;
         let kind = entry.file_type().map_err(io)?;
         let is_dir = if kind.is_symlink() {
-            match path::real_inside(root, &entry.path()) {
+            match path::real_inside(root, &dir.real.join(entry.file_name())) {
                 Some(real) => real.is_dir(),
                 None => continue,
             }

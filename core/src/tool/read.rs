@@ -10,8 +10,7 @@
 //! [`Limits::max_lines`]: super::Limits::max_lines
 //! [`Limits::max_output_bytes`]: super::Limits::max_output_bytes
 
-use std::fs::File;
-use std::io::{self, BufRead, BufReader};
+use std::io::{self, BufRead, BufReader, Read as _};
 use std::path::Path;
 
 use base64::Engine as _;
@@ -20,7 +19,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::path::{self, Resolved};
+use super::path::{self, Beneath, Resolved};
 use super::{Context, Error, Output, Run, Tool, blocking, input, text, truncate};
 
 /// Bytes of a single line kept; the rest of the line is replaced by a note.
@@ -93,7 +92,8 @@ impl Tool for Read {
                 limit,
                 max_bytes: context.limits.max_output_bytes,
             };
-            blocking(move || read(&file, window)).await
+            let root = context.directory.clone();
+            blocking(move || read(&Beneath::new(&root)?, &file, window)).await
         })
     }
 }
@@ -106,10 +106,13 @@ struct Window {
     max_bytes: usize,
 }
 
-fn read(file: &Resolved, window: Window) -> Result<Output, Error> {
+fn read(beneath: &Beneath, file: &Resolved, window: Window) -> Result<Output, Error> {
     let shown = file.shown.as_str();
     let io = |e: io::Error| Error::from_io(shown, &e);
-    let meta = std::fs::metadata(&file.real).map_err(io)?;
+    let handle = beneath
+        .open(&file.real, path::READ, 0)
+        .map_err(|e| path::failure(shown, &e))?;
+    let meta = handle.metadata().map_err(io)?;
     if meta.is_dir() {
         return Err(Error::Io(format!(
             "`{shown}` is a directory; use `list` to see its entries"
@@ -118,10 +121,10 @@ fn read(file: &Resolved, window: Window) -> Result<Output, Error> {
     if !meta.is_file() {
         return Err(Error::Io(format!("`{shown}` is not a regular file")));
     }
-    let mut reader = BufReader::with_capacity(SNIFF_BYTES, File::open(&file.real).map_err(io)?);
+    let mut reader = BufReader::with_capacity(SNIFF_BYTES, handle);
     let head = reader.fill_buf().map_err(io)?;
     if let Some(mime) = image_mime(head) {
-        return media(&file.real, shown, mime, meta.len());
+        return media(reader, shown, mime, meta.len());
     }
     if head.contains(&0) {
         return Err(Error::Io(format!(
@@ -147,14 +150,25 @@ fn image_mime(head: &[u8]) -> Option<&'static str> {
     }
 }
 
-fn media(real: &Path, shown: &str, mime: &str, size: u64) -> Result<Output, Error> {
-    if size > MAX_MEDIA_BYTES {
-        return Err(Error::Io(format!(
+/// The image `file` holds (nothing of it consumed yet), whole.
+fn media(file: impl io::Read, shown: &str, mime: &str, size: u64) -> Result<Output, Error> {
+    let too_large = |size: u64| {
+        Error::Io(format!(
             "`{shown}` is a {mime} image of {size} bytes, larger than the {MAX_MEDIA_BYTES} \
              bytes `read` returns"
-        )));
+        ))
+    };
+    if size > MAX_MEDIA_BYTES {
+        return Err(too_large(size));
     }
-    let bytes = std::fs::read(real).map_err(|e| Error::from_io(shown, &e))?;
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    // One byte past the limit tells a file that grew since it was measured.
+    file.take(MAX_MEDIA_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::from_io(shown, &e))?;
+    if bytes.len() as u64 > MAX_MEDIA_BYTES {
+        return Err(too_large(bytes.len() as u64));
+    }
     Ok(Output {
         structured: json!({ "path": shown, "mime": mime, "bytes": bytes.len() }),
         content: vec![

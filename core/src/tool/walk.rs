@@ -5,7 +5,10 @@
 //! directory (then under the link's own path), and a symlink to a directory is not entered
 //! (its target, if inside, is walked on its own). `.gitignore` (and `.ignore`) rules are
 //! respected even outside a git repository; the `.git` directory is skipped; other hidden
-//! files are included. Entries that cannot be read (permission denied) are skipped.
+//! files are included. Entries that cannot be read (permission denied) are skipped, and so
+//! is a file that is not, when reached, a regular file beneath the session directory
+//! (checked through [`Beneath`], so a directory swapped for a symlink mid-walk reveals
+//! nothing outside).
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -13,7 +16,8 @@ use std::path::{Path, PathBuf};
 use ignore::WalkBuilder;
 use tokio_util::sync::CancellationToken;
 
-use super::{Error, path};
+use super::Error;
+use super::path::{self, Beneath};
 
 /// A regular file found by the walk.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,11 +28,11 @@ pub(crate) struct File {
     pub shown: String,
 }
 
-/// Calls `each` for every regular file under `start` (itself inside `root`), in a stable
-/// order (names sorted within each directory). Stops with [`Error::Interrupted`] when
-/// `cancel` fires.
+/// Calls `each` for every regular file under `start` (itself inside the session directory
+/// `beneath` holds), in a stable order (names sorted within each directory). Stops with
+/// [`Error::Interrupted`] when `cancel` fires.
 pub(crate) fn files(
-    root: &Path,
+    beneath: &Beneath,
     start: &Path,
     cancel: &CancellationToken,
     mut each: impl FnMut(File),
@@ -48,16 +52,20 @@ pub(crate) fn files(
         let Some(kind) = entry.file_type() else {
             continue;
         };
+        let root = beneath.root();
         let real = if kind.is_file() {
             entry.path().to_path_buf()
         } else if kind.is_symlink() {
             match path::real_inside(root, entry.path()) {
-                Some(real) if real.is_file() => real,
-                _ => continue,
+                Some(real) => real,
+                None => continue,
             }
         } else {
             continue;
         };
+        if !beneath.is_file(&real) {
+            continue;
+        }
         each(File {
             shown: path::shown(root, entry.path()),
             real,

@@ -1,16 +1,18 @@
 //! `write`: creates or replaces a file with the given content.
 //!
 //! Invariants: the file and any parent directories created for it are inside the session
-//! directory (the path, with symlinks resolved, is checked before anything is created);
-//! an existing directory or special file (a FIFO, say) is never written to.
+//! directory (the path, with symlinks resolved, is checked before anything is created, and
+//! each is created beneath the open session directory, see [`path`]); an existing
+//! directory or special file (a FIFO, say) is never written to.
 
 use keel_schema::types::Effect;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::io::Write as _;
 use std::path::Path;
 
-use super::path::{self, Resolved};
+use super::path::{self, Beneath, Resolved};
 use super::{Context, Error, Output, Run, Tool, blocking, input, text};
 
 /// The `write` tool.
@@ -52,31 +54,42 @@ impl Tool for Write {
         Box::pin(async move {
             let input: Input = input::parse(input)?;
             let file = path::resolve(&context.directory, &input.path)?;
-            blocking(move || write(&file, &input.content)).await
+            let root = context.directory.clone();
+            blocking(move || write(&Beneath::new(&root)?, &file, &input.content)).await
         })
     }
 }
 
-fn write(file: &Resolved, content: &str) -> Result<Output, Error> {
+fn write(beneath: &Beneath, file: &Resolved, content: &str) -> Result<Output, Error> {
     let shown = file.shown.as_str();
-    let io = |e: std::io::Error| Error::from_io(shown, &e);
-    let created = match std::fs::metadata(&file.real) {
-        Ok(meta) if meta.is_dir() => {
-            return Err(Error::Io(format!("`{shown}` is a directory")));
+    let io = |e: std::io::Error| path::failure(shown, &e);
+    if let Some(parent) = file.real.parent() {
+        beneath.create_dir_all(parent).map_err(io)?;
+    }
+    let create = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY;
+    let (mut handle, created) = match beneath.open(&file.real, create, 0o666) {
+        Ok(handle) => (handle, true),
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            // Opened without truncating, so a file that is not a regular one is left as
+            // it was; O_NONBLOCK keeps a FIFO without a reader from blocking the open.
+            let existing = libc::O_WRONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
+            let handle =
+                beneath
+                    .open(&file.real, existing, 0)
+                    .map_err(|e| match e.raw_os_error() {
+                        Some(libc::EISDIR) => Error::Io(format!("`{shown}` is a directory")),
+                        Some(libc::ENXIO) => Error::Io(format!("`{shown}` is not a regular file")),
+                        _ => io(e),
+                    })?;
+            if !handle.metadata().map_err(io)?.is_file() {
+                return Err(Error::Io(format!("`{shown}` is not a regular file")));
+            }
+            handle.set_len(0).map_err(io)?;
+            (handle, false)
         }
-        Ok(meta) if !meta.is_file() => {
-            return Err(Error::Io(format!("`{shown}` is not a regular file")));
-        }
-        Ok(_) => false,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
         Err(e) => return Err(io(e)),
     };
-    if let Some(parent) = file.real.parent() {
-        // `real` has every existing symlink resolved, so what is created here is exactly
-        // what was checked to be inside.
-        std::fs::create_dir_all(parent).map_err(io)?;
-    }
-    std::fs::write(&file.real, content).map_err(io)?;
+    handle.write_all(content.as_bytes()).map_err(io)?;
     let bytes = content.len();
     let summary = if created {
         format!("created `{shown}` ({bytes} bytes)")

@@ -1,5 +1,7 @@
 //! Confinement: no tool reads, writes or lists outside the session directory.
 
+use std::os::unix::fs::symlink;
+
 use serde_json::json;
 
 use super::support::*;
@@ -144,4 +146,81 @@ async fn glob_grep_and_list_do_not_report_files_outside_through_symlinks() {
         .await
         .expect("grep");
     assert_eq!(text(&grepped), "mine.txt:1: my needle");
+}
+
+/// A directory that flips between itself and a symlink leading outside while the file
+/// tools run on paths through it: whatever moment each tool resolves and opens at,
+/// nothing outside is read, listed, written or created.
+#[tokio::test]
+async fn a_directory_swapped_for_a_symlink_mid_call_never_leads_a_tool_outside() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let s = Session::new();
+    s.file("a/mine.txt", "mine needle\n");
+    let outside_dir = s.outside.join("dir");
+    let stop = Arc::new(AtomicBool::new(false));
+    let flipper = {
+        let stop = Arc::clone(&stop);
+        let (dir, parked) = (s.root.join("a"), s.root.join("a.real"));
+        let target = outside_dir.clone();
+        std::thread::spawn(move || {
+            let mut flips = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                std::fs::rename(&dir, &parked).expect("park the directory");
+                // A `write` may create `a` anew while it is parked: clear it away.
+                while symlink(&target, &dir).is_err() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                std::thread::sleep(std::time::Duration::from_micros(100));
+                std::fs::remove_file(&dir).expect("remove the symlink");
+                while std::fs::rename(&parked, &dir).is_err() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                std::thread::sleep(std::time::Duration::from_micros(100));
+                flips += 1;
+            }
+            flips
+        })
+    };
+    let mut succeeded = 0;
+    for _ in 0..300 {
+        if let Ok(out) = s.call("read", json!({ "path": "a/deep.txt" })).await {
+            panic!("read reached outside: {}", text(&out));
+        }
+        let edited = s.call(
+            "edit",
+            json!({ "path": "a/deep.txt", "old": "needle", "new": "x" }),
+        );
+        assert!(edited.await.is_err(), "edit reached outside");
+        if let Ok(out) = s.call("list", json!({ "path": "a" })).await {
+            assert!(!text(&out).contains("deep.txt"), "list reached outside");
+            succeeded += 1;
+        }
+        if let Ok(out) = s
+            .call("grep", json!({ "pattern": "needle", "path": "a" }))
+            .await
+        {
+            assert!(!text(&out).contains("deep"), "grep reached outside");
+        }
+        let _ = s
+            .call("write", json!({ "path": "a/new/file.txt", "content": "x" }))
+            .await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let flips = flipper.join().expect("flipper");
+    assert!(
+        flips > 0 && succeeded > 0,
+        "the race was run ({flips} flips, {succeeded} lists)"
+    );
+    let mut outside: Vec<_> = std::fs::read_dir(&outside_dir)
+        .expect("outside")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    outside.sort();
+    assert_eq!(outside, ["deep.txt"], "nothing was created outside");
+    assert_eq!(
+        std::fs::read_to_string(outside_dir.join("deep.txt")).expect("deep"),
+        "deep needle\n"
+    );
 }
