@@ -42,4 +42,6 @@ pub mod request;
 pub mod runner;
 pub mod server;
 pub mod store;
+#[cfg(feature = "otlp")]
+pub mod telemetry;
 pub mod tool;

@@ -94,6 +94,9 @@ pub struct Options {
     /// The directory sessions' directories must be inside (the working directory when
     /// `None`); a session asking for one outside it is refused.
     pub root: Option<PathBuf>,
+    /// A second address serving `GET /metrics` alone, without the token, for a scraper
+    /// that should not hold it ([`Node::metrics_address`]).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Options {
@@ -111,6 +114,7 @@ impl Options {
             grace: Duration::from_secs(3),
             step_grace: Duration::from_secs(10),
             root: None,
+            metrics_listen: None,
         }
     }
 
@@ -146,6 +150,8 @@ pub struct Node {
     runner: Runner,
     listener: TcpListener,
     address: SocketAddr,
+    /// The listener of `/metrics` alone, when asked for, and its address.
+    metrics: Option<(TcpListener, SocketAddr)>,
     /// The sessions' root, canonical.
     root: PathBuf,
 }
@@ -203,16 +209,26 @@ impl Node {
                 address: options.listen,
                 source,
             })?;
-        let address = listener.local_addr().map_err(|source| Error::Bind {
-            address: options.listen,
-            source,
-        })?;
+        let address = local_address(&listener, options.listen)?;
+        let metrics = match options.metrics_listen {
+            Some(wanted) => {
+                let bind = |source| Error::Bind {
+                    address: wanted,
+                    source,
+                };
+                let listener = TcpListener::bind(wanted).await.map_err(bind)?;
+                let address = local_address(&listener, wanted)?;
+                Some((listener, address))
+            }
+            None => None,
+        };
         Ok(Self {
             options,
             store,
             runner,
             listener,
             address,
+            metrics,
             root,
         })
     }
@@ -220,6 +236,11 @@ impl Node {
     /// Where the node listens.
     pub fn address(&self) -> SocketAddr {
         self.address
+    }
+
+    /// Where `/metrics` is served without the token, when [`Options::metrics_listen`] asked.
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(|(_, address)| *address)
     }
 
     /// This node's owner id, the name its claims carry.
@@ -245,6 +266,7 @@ impl Node {
             runner,
             listener,
             address: _,
+            metrics,
             root,
         } = self;
         let owner = runner.owner();
@@ -301,6 +323,19 @@ impl Node {
             auth_failures: server::AuthFailures::default(),
             root,
         });
+        if let Some((listener, address)) = metrics {
+            tracing::info!(%address, "metrics served without the token on /metrics");
+            let app = server::metrics_router(state.clone());
+            let stopped = stop.clone();
+            tokio::spawn(async move {
+                let served = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move { stopped.cancelled().await })
+                    .await;
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "serving the metrics failed");
+                }
+            });
+        }
         let app = server::router(state, &options.limits)
             .into_make_service_with_connect_info::<std::net::SocketAddr>();
         let stopped = stop.clone();
@@ -336,6 +371,14 @@ impl Node {
         tracing::info!(expired, "claims handed back");
         served
     }
+}
+
+/// The address `listener` (bound for `wanted`) really has.
+fn local_address(listener: &TcpListener, wanted: SocketAddr) -> Result<SocketAddr, Error> {
+    listener.local_addr().map_err(|source| Error::Bind {
+        address: wanted,
+        source,
+    })
 }
 
 /// Says at start-up how sandboxed commands will fare: refused everywhere when the kernel

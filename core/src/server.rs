@@ -125,6 +125,15 @@ pub fn router(state: AppState, limits: &Limits) -> Router {
         .with_state(state)
 }
 
+/// `GET /metrics` alone, without the token: what `keel serve --metrics-listen` serves on its
+/// second address, for a scraper that should not hold the token. Anything else is a 404.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(routes::metrics))
+        .fallback(routes::not_found)
+        .with_state(state)
+}
+
 /// Requires the bearer token, when one is configured, on everything but the probes. The
 /// token is compared in constant time (as digests, so not even its length shows); a
 /// refusal says how to authenticate (`WWW-Authenticate: Bearer`), and failures are logged

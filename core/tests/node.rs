@@ -190,3 +190,50 @@ async fn a_node_refuses_options_that_are_unsafe_or_unusable() {
         "refused options open no database"
     );
 }
+
+#[tokio::test]
+async fn a_metrics_address_serves_the_metrics_alone_without_the_token() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let node = Node::start(Options {
+        token: Some("secret".into()),
+        metrics_listen: Some("127.0.0.1:0".parse().expect("a socket address")),
+        ..options(dir.path(), Config::default())
+    })
+    .await
+    .expect("the node starts");
+    let (address, metrics) = (
+        node.address(),
+        node.metrics_address().expect("a metrics address"),
+    );
+    assert_ne!(address, metrics);
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(node.run(shutdown.clone()));
+    let http = reqwest::Client::new();
+    let get = |url: String| {
+        let http = http.clone();
+        async move { http.get(url).send().await.expect("an answer") }
+    };
+
+    let scraped = get(format!("http://{metrics}/metrics")).await;
+    assert_eq!(scraped.status(), 200);
+    let page = scraped.text().await.expect("the page");
+    assert!(page.contains("keel_sessions"), "{page}");
+    assert!(page.ends_with("# EOF\n"), "an OpenMetrics page: {page}");
+    // Only the metrics: the API is not reachable through the token-free address.
+    assert_eq!(
+        get(format!("http://{metrics}/api/session")).await.status(),
+        404
+    );
+    // The main address keeps asking for the token, for /metrics too.
+    assert_eq!(get(format!("http://{address}/metrics")).await.status(), 401);
+
+    shutdown.cancel();
+    running
+        .await
+        .expect("the node's task ends")
+        .expect("the node stops cleanly");
+    assert!(
+        tokio::net::TcpStream::connect(metrics).await.is_err(),
+        "the metrics address closes with the node"
+    );
+}

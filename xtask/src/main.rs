@@ -5,12 +5,15 @@
 //!   `contracts/events/` disagree, or when a published event version's schema changed.
 //! - `bench [--quick] [--postgres] [--only store|runner|server]`: runs the benchmarks, prints a
 //!   table, writes `target/bench/latest.json`.
+//! - `test [ARGS]`: every test, the workspace's and those behind optional features (see
+//!   `test`); the README's test command.
 //! - `crash [--iterations N] [--seed S] [--sessions M]`: kills a real `keel serve` at
 //!   random moments under load and checks that nothing was lost or run twice.
 
 mod bench;
 mod crash;
 mod published;
+mod test;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -20,7 +23,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use keel_codegen::{EVENTS_DIR, File, check, generate};
 
-const USAGE: &str = "usage: cargo xtask <regenerate|check|bench [--quick] [--postgres]|crash [--iterations N] [--seed S] [--sessions M]>";
+const USAGE: &str = "usage: cargo xtask <regenerate|check|test [ARGS]|bench [--quick] [--postgres]|crash [--iterations N] [--seed S] [--sessions M]>";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
         Some("check") => run_check(&workspace_root()),
         Some("bench") => bench::run(&workspace_root(), &args[1..]),
         Some("crash") => crash::run(&workspace_root(), &args[1..]),
+        Some("test") => test::run(&workspace_root(), &args[1..]),
         _ => Err(anyhow::anyhow!(USAGE)),
     };
     match result {

@@ -50,21 +50,16 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    if let Command::Serve(args) = &command {
-        let log = tracing_subscriber::fmt()
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| "info".into()),
-            )
-            .with_writer(std::io::stderr);
-        match args.log_format {
-            // Colours only for a person at a terminal, never into a log file.
-            serve::LogFormat::Text => log
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .init(),
-            serve::LogFormat::Json => log.json().init(),
-        }
-    }
+    let telemetry = match &command {
+        Command::Serve(args) => match serve::init_logging(args) {
+            Ok(telemetry) => Some(telemetry),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        _ => None,
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -82,6 +77,11 @@ fn main() -> ExitCode {
             Command::Events => Ok(()),
         }
     });
+    // The runtime goes first: the export sends what its tasks left behind.
+    drop(runtime);
+    if let Some(telemetry) = telemetry {
+        telemetry.finish();
+    }
     match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -56,7 +56,19 @@ pub struct Serve {
     /// How the log on stderr is written: `text` for people (coloured on a terminal) or
     /// `json`, one object per line, for log collectors.
     #[arg(long, env = "KEEL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
+    log_format: LogFormat,
+    /// Also serve `GET /metrics` on this address, without the token (for a Prometheus
+    /// scraper that should not hold it); `/metrics` on --listen keeps asking for it.
+    #[arg(long, env = "KEEL_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
+    /// Send the spans to an OpenTelemetry collector at this base URL (for example
+    /// http://127.0.0.1:4318; spans go to /v1/traces). Needs a keel built with the `otlp`
+    /// cargo feature.
+    #[arg(long, env = "KEEL_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// How spans are encoded for the collector: `protobuf` or `json`.
+    #[arg(long, env = "KEEL_OTLP_PROTOCOL", value_enum, default_value_t = OtlpProtocol::Protobuf)]
+    otlp_protocol: OtlpProtocol,
 }
 
 /// How `keel serve` writes its log.
@@ -64,6 +76,83 @@ pub struct Serve {
 pub enum LogFormat {
     Text,
     Json,
+}
+
+/// How spans are encoded for an OpenTelemetry collector (OTLP over HTTP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OtlpProtocol {
+    Protobuf,
+    Json,
+}
+
+/// What must outlive the service for its spans to reach the collector: the running OTLP
+/// export, when there is one; call [`Telemetry::finish`] once the runtime is gone.
+#[must_use]
+pub struct Telemetry {
+    #[cfg(feature = "otlp")]
+    export: Option<keel_core::telemetry::Export>,
+}
+
+impl Telemetry {
+    /// Sends the spans still buffered.
+    pub fn finish(self) {
+        #[cfg(feature = "otlp")]
+        if let Some(export) = self.export {
+            export.shutdown();
+        }
+    }
+}
+
+/// Installs the log on stderr in the chosen format and, when asked for, the OTLP export.
+/// Called before the async runtime starts (the exporter runs its own thread).
+pub fn init_logging(args: &Serve) -> Result<Telemetry, String> {
+    use tracing_subscriber::prelude::*;
+
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    // Colours only for a person at a terminal, never into a log file.
+    let text = (args.log_format == LogFormat::Text).then(|| {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+    });
+    let json = (args.log_format == LogFormat::Json).then(|| {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .json()
+    });
+    let registry = tracing_subscriber::registry()
+        .with(filter)
+        .with(text)
+        .with(json);
+    #[cfg(feature = "otlp")]
+    {
+        use keel_core::telemetry::{Export, Protocol};
+        let protocol = match args.otlp_protocol {
+            OtlpProtocol::Protobuf => Protocol::Protobuf,
+            OtlpProtocol::Json => Protocol::Json,
+        };
+        let export = args
+            .otlp_endpoint
+            .as_deref()
+            .map(|endpoint| Export::start(endpoint, protocol))
+            .transpose()?;
+        registry.with(export.as_ref().map(Export::layer)).init();
+        if let Some(endpoint) = &args.otlp_endpoint {
+            tracing::info!(%endpoint, "spans are exported over OTLP");
+        }
+        Ok(Telemetry { export })
+    }
+    #[cfg(not(feature = "otlp"))]
+    {
+        if args.otlp_endpoint.is_some() {
+            return Err("--otlp-endpoint needs a keel built with OTLP export: \
+                        cargo build --release -p keel-core --features otlp"
+                .into());
+        }
+        registry.init();
+        Ok(Telemetry {})
+    }
 }
 
 pub async fn serve(args: Serve) -> Result<()> {
@@ -86,6 +175,7 @@ pub async fn serve(args: Serve) -> Result<()> {
         heartbeat: Duration::from_millis(args.heartbeat_ms),
         step_grace: Duration::from_millis(args.shutdown_grace_ms),
         root: args.root,
+        metrics_listen: args.metrics_listen,
         ..Options::new(db.clone(), config)
     };
     let node = Node::start(options).await?;
