@@ -37,6 +37,7 @@
 #[rustfmt::skip]
 mod generated;
 mod log;
+mod tls;
 
 pub use keel_schema as schema;
 pub use log::{LogOptions, LogStream};
@@ -85,7 +86,10 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
-    /// The base URL given to [`Client::new`] is not an http URL.
+    /// The TLS setup failed: a CA certificate that is not PEM, or no trusted roots.
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// The base URL given to [`Client::new`] is not an http or https URL.
     #[error("`{0}` is not a Keel base URL: use http://host:port")]
     BaseUrl(String),
     /// A log stream could not be read, or its connection broke (the stream reconnects
@@ -111,22 +115,53 @@ pub struct Client {
     http: reqwest::Client,
     base_url: String,
     token: Option<String>,
+    /// For an https server: the TLS configuration the log streams connect with (the
+    /// REST requests' client was built with the same one).
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 impl Client {
-    /// A client for the server at `base_url`, e.g. `http://127.0.0.1:4096`. Plain http
-    /// only for now.
+    /// A client for the server at `base_url`: `http://127.0.0.1:4096`, or an https URL
+    /// whose certificate the system trusts (see [`Client::with_ca_certificate`] for a
+    /// private CA).
     pub fn new(base_url: impl Into<String>) -> Result<Self, Error> {
-        let base_url = base_url.into().trim_end_matches('/').to_owned();
-        // TLS is not built into the client yet: a remote Keel is reached through a
-        // local tunnel or proxy.
-        if !base_url.starts_with("http://") {
-            return Err(Error::BaseUrl(base_url));
-        }
+        Self::build(base_url.into(), &[])
+    }
+
+    /// Also trusts the CA certificates in `pem` (PEM `CERTIFICATE` blocks) for an https
+    /// server, besides the system's roots: for a Keel whose certificate a private CA
+    /// signed, or a self-signed one.
+    pub fn with_ca_certificate(self, pem: &[u8]) -> Result<Self, Error> {
+        let extra = tls::certificates(pem)?;
+        let rebuilt = Self::build(self.base_url, &extra)?;
         Ok(Self {
-            http: reqwest::Client::new(),
+            token: self.token,
+            ..rebuilt
+        })
+    }
+
+    fn build(
+        base_url: String,
+        extra_roots: &[rustls::pki_types::CertificateDer<'static>],
+    ) -> Result<Self, Error> {
+        let base_url = base_url.trim_end_matches('/').to_owned();
+        let (http, tls) = if base_url.starts_with("https://") {
+            let tls = tls::config(extra_roots)?;
+            let http = reqwest::Client::builder()
+                .tls_backend_preconfigured((*tls).clone())
+                .build()
+                .map_err(|e| Error::Tls(format!("cannot build the https client: {e}")))?;
+            (http, Some(tls))
+        } else if base_url.starts_with("http://") {
+            (reqwest::Client::new(), None)
+        } else {
+            return Err(Error::BaseUrl(base_url));
+        };
+        Ok(Self {
+            http,
             base_url,
             token: None,
+            tls,
         })
     }
 

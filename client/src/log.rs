@@ -256,10 +256,24 @@ impl Reader {
                 .header("authorization", &format!("Bearer {token}"))
                 .map_err(invalid)?;
         }
-        let transport = HyperTransport::builder()
-            .build_http()
-            .map_err(|e| Error::Stream(format!("cannot set up HTTP: {e}")))?;
-        Ok(builder.build_with_transport(transport).stream())
+        let setup = |e: std::io::Error| Error::Stream(format!("cannot set up HTTP: {e}"));
+        Ok(match &self.client.tls {
+            None => {
+                let transport = HyperTransport::builder().build_http().map_err(setup)?;
+                builder.build_with_transport(transport).stream()
+            }
+            Some(tls) => {
+                let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config((**tls).clone())
+                    .https_only()
+                    .enable_http1()
+                    .build();
+                let transport = HyperTransport::builder()
+                    .build_with_connector(connector)
+                    .map_err(setup)?;
+                builder.build_with_transport(transport).stream()
+            }
+        })
     }
 
     /// Decodes one SSE message and checks its seq against the last one handed out.

@@ -97,6 +97,8 @@ pub struct Options {
     /// A second address serving `GET /metrics` alone, without the token, for a scraper
     /// that should not hold it ([`Node::metrics_address`]).
     pub metrics_listen: Option<SocketAddr>,
+    /// Serve HTTPS with this configuration ([`server::tls::load`]) instead of plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Options {
@@ -115,6 +117,7 @@ impl Options {
             step_grace: Duration::from_secs(10),
             root: None,
             metrics_listen: None,
+            tls: None,
         }
     }
 
@@ -336,12 +339,20 @@ impl Node {
                 }
             });
         }
-        let app = server::router(state, &options.limits)
-            .into_make_service_with_connect_info::<std::net::SocketAddr>();
+        let app = server::router(state, &options.limits);
         let stopped = stop.clone();
-        let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
-            stopped.cancelled().await;
-        });
+        let until_stopped = async move { stopped.cancelled().await };
+        let serving = async move {
+            match options.tls {
+                None => serve(listener, app, until_stopped).await,
+                Some(config) => {
+                    let listener = server::tls::Listener::new(listener, config)?;
+                    // Tapped so the peer address reaches the handlers as for plain HTTP.
+                    let listener = axum::serve::ListenerExt::tap_io(listener, |_| {});
+                    serve(listener, app, until_stopped).await
+                }
+            }
+        };
         let grace = options.grace;
         let served = tokio::select! {
             served = serving => served.map_err(Error::Serve),
@@ -371,6 +382,24 @@ impl Node {
         tracing::info!(expired, "claims handed back");
         served
     }
+}
+
+/// Serves `app` on `listener` until `stop` resolves, with the peer's address available to
+/// the handlers (`ConnectInfo<SocketAddr>`).
+async fn serve<L>(
+    listener: L,
+    app: axum::Router,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+    SocketAddr: for<'a> axum::extract::connect_info::Connected<axum::serve::IncomingStream<'a, L>>,
+{
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(stop)
+        .await
 }
 
 /// The address `listener` (bound for `wanted`) really has.

@@ -5,6 +5,7 @@ mod error;
 mod extract;
 mod routes;
 mod sse;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

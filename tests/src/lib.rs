@@ -284,7 +284,7 @@ fn spawn(
         .expect("keel prints where it listens");
     let base_url = line
         .split_whitespace()
-        .find(|w| w.starts_with("http://"))
+        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
         .unwrap_or_else(|| panic!("no address in {line:?}"))
         .to_owned();
     (child, base_url)

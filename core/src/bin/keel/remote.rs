@@ -25,11 +25,21 @@ pub struct Remote {
     /// The server's bearer token.
     #[arg(long, env = "KEEL_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// A PEM CA certificate to trust for an https server, besides the system's roots
+    /// (for a private CA or a self-signed certificate).
+    #[arg(long, env = "KEEL_CA_CERT")]
+    ca_cert: Option<std::path::PathBuf>,
 }
 
 impl Remote {
     fn client(&self) -> Result<Client> {
-        let client = Client::new(&self.url)?;
+        let mut client = Client::new(&self.url)?;
+        if let Some(path) = &self.ca_cert {
+            let pem = std::fs::read(path).map_err(|e| {
+                anyhow::anyhow!("cannot read the CA certificate {}: {e}", path.display())
+            })?;
+            client = client.with_ca_certificate(&pem)?;
+        }
         Ok(match &self.token {
             Some(token) => client.with_token(token),
             None => client,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use keel_core::config::Config;
 use keel_core::node::{self, Node, Options};
-use keel_core::server::Limits;
+use keel_core::server::{Limits, tls};
 use keel_core::store::{self, DbUrl};
 use tokio_util::sync::CancellationToken;
 
@@ -57,6 +57,13 @@ pub struct Serve {
     /// `json`, one object per line, for log collectors.
     #[arg(long, env = "KEEL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Serve HTTPS with this PEM certificate chain (the server's certificate first);
+    /// needs --tls-key.
+    #[arg(long, env = "KEEL_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "KEEL_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Also serve `GET /metrics` on this address, without the token (for a Prometheus
     /// scraper that should not hold it); `/metrics` on --listen keeps asking for it.
     #[arg(long, env = "KEEL_METRICS_LISTEN")]
@@ -161,6 +168,11 @@ pub async fn serve(args: Serve) -> Result<()> {
         Some(db) => db.parse()?,
         None => default_db()?,
     };
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::load(cert, key).map_err(anyhow::Error::msg)?),
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let options = Options {
         store: store::Options {
             read_connections: args.db_readers,
@@ -176,12 +188,13 @@ pub async fn serve(args: Serve) -> Result<()> {
         step_grace: Duration::from_millis(args.shutdown_grace_ms),
         root: args.root,
         metrics_listen: args.metrics_listen,
+        tls,
         ..Options::new(db.clone(), config)
     };
     let node = Node::start(options).await?;
     // Tests, benchmarks and scripts read where the node listens from this first line.
     println!(
-        "keel listening on http://{} (database {db}, owner {})",
+        "keel listening on {scheme}://{} (database {db}, owner {})",
         node.address(),
         node.owner()
     );
