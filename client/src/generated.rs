@@ -38,7 +38,7 @@ impl Client {
             .await
     }
 
-    /// `PATCH /api/session/{id}`: Rename a session, or switch its agent or model for later steps.
+    /// `PATCH /api/session/{id}`: Rename a session, or switch its agent or model for later steps. A session deleted while the request runs is a 409.
     pub async fn update_session(&self, id: SessionId, body: &UpdateSession) -> Result<Session, Error> {
         self.call_json(reqwest::Method::PATCH, format!("/api/session/{id}"), None::<&()>, Some(body))
             .await
@@ -68,13 +68,13 @@ impl Client {
             .await
     }
 
-    /// `POST /api/session/{id}/resume`: Start an execution, or join the running one.
+    /// `POST /api/session/{id}/resume`: Start an execution, or join the running one. A session deleted while the request runs is a 409.
     pub async fn resume(&self, id: SessionId) -> Result<SessionStatus, Error> {
         self.call_json(reqwest::Method::POST, format!("/api/session/{id}/resume"), None::<&()>, None::<&()>)
             .await
     }
 
-    /// `POST /api/session/{id}/compact`: Request a compaction of the session's history: admits a control input, promoted in admission order before any steering prompt admitted after it.
+    /// `POST /api/session/{id}/compact`: Request a compaction of the session's history: admits a control input, promoted in admission order before any steering prompt admitted after it. A session deleted while the request runs is a 409.
     pub async fn compact(&self, id: SessionId) -> Result<PromptResponse, Error> {
         self.call_json(reqwest::Method::POST, format!("/api/session/{id}/compact"), None::<&()>, None::<&()>)
             .await

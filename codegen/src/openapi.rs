@@ -1,8 +1,10 @@
-//! The OpenAPI 3.1 document, assembled from [`crate::routes::ROUTES`] and the schemas of
-//! keel-schema's API types (JSON Schema 2020-12, which OpenAPI 3.1 uses as is).
+//! The OpenAPI 3.2 document, assembled from [`crate::routes::ROUTES`] and the schemas of
+//! keel-schema's API types (JSON Schema 2020-12, which OpenAPI uses as is). 3.2 is what
+//! describes an event stream item by item (`itemSchema`), so standard tools check each
+//! server-sent event against its schema.
 
-use schemars::SchemaGenerator;
 use schemars::generate::SchemaSettings;
+use schemars::{Schema, SchemaGenerator};
 use serde_json::{Map, Value, json};
 
 use crate::routes::{ROUTES, Response, Route};
@@ -86,12 +88,9 @@ fn operation(route: &Route, generator: &mut SchemaGenerator) -> Value {
             responses.insert(
                 "200".to_owned(),
                 json!({
-                    "description": "A server-sent event stream. The `data:` of each message is \
-                                    one JSON value of `x-keel-item`; comment lines are heartbeats.",
-                    "content": {"text/event-stream": {
-                        "schema": {"type": "string"},
-                        "x-keel-item": (item.reference)(generator),
-                    }},
+                    "description": "A server-sent event stream. Each event's `data` is one JSON \
+                                    value of the `contentSchema`; comment lines are heartbeats.",
+                    "content": {"text/event-stream": {"itemSchema": stream_item((item.reference)(generator))}},
                 }),
             );
         }
@@ -121,6 +120,32 @@ fn operation(route: &Route, generator: &mut SchemaGenerator) -> Value {
         op["security"] = json!([]);
     }
     op
+}
+
+/// OpenAPI 3.2's description of one server-sent event whose `data` is JSON of `data`:
+/// the fields of the event as the SSE format defines them.
+fn stream_item(data: Schema) -> Value {
+    json!({
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "id": {
+                "type": "string",
+                "description": "The durable event's seq, in decimal; absent on ephemeral events \
+                                and markers. A reconnect sends the last one as `Last-Event-ID`.",
+            },
+            "event": {
+                "type": "string",
+                "description": "Absent on events; `synced` or `lagged` on the stream's markers.",
+            },
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": data,
+            },
+            "retry": {"type": "integer", "minimum": 0},
+        },
+    })
 }
 
 /// The whole document.
@@ -158,7 +183,7 @@ pub fn document() -> Value {
     schemas.sort_keys();
 
     json!({
-        "openapi": "3.1.0",
+        "openapi": "3.2.0",
         "info": {
             "title": "Keel",
             "version": env!("CARGO_PKG_VERSION"),

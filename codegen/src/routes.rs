@@ -265,9 +265,13 @@ pub const ROUTES: &[Route] = &[
         "update_session",
         json(200, ty!(Session)),
     )
-    .summary("Rename a session, or switch its agent or model for later steps.")
+    .summary(
+        "Rename a session, or switch its agent or model for later steps. A session deleted \
+         while the request runs is a 409.",
+    )
     .params(&[SESSION])
-    .body(ty!(UpdateSession)),
+    .body(ty!(UpdateSession))
+    .conflicts(),
     Route::delete(
         "/api/session/{id}",
         "delete_session",
@@ -314,8 +318,12 @@ pub const ROUTES: &[Route] = &[
         "resume",
         json(202, ty!(SessionStatus)),
     )
-    .summary("Start an execution, or join the running one.")
-    .params(&[SESSION]),
+    .summary(
+        "Start an execution, or join the running one. A session deleted while the request \
+         runs is a 409.",
+    )
+    .params(&[SESSION])
+    .conflicts(),
     Route::post(
         "/api/session/{id}/compact",
         "compact",
@@ -323,9 +331,11 @@ pub const ROUTES: &[Route] = &[
     )
     .summary(
         "Request a compaction of the session's history: admits a control input, promoted \
-         in admission order before any steering prompt admitted after it.",
+         in admission order before any steering prompt admitted after it. A session \
+         deleted while the request runs is a 409.",
     )
-    .params(&[SESSION]),
+    .params(&[SESSION])
+    .conflicts(),
     Route::post(
         "/api/session/{id}/permission/{request_id}",
         "reply_permission",

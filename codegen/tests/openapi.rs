@@ -1,4 +1,8 @@
-//! `contracts/openapi.json` is valid OpenAPI 3.1 and covers every route.
+//! `contracts/openapi.json` is an OpenAPI 3.2 document that covers every route.
+//!
+//! oas3 (the Rust parser used here) validates versions up to 3.1 only, so it is asked to
+//! parse the document, not to vouch for its version; schemathesis, which reads 3.2,
+//! checks the served contract against the running service (docs/service.md).
 
 use std::collections::BTreeSet;
 
@@ -11,12 +15,9 @@ fn document_text() -> String {
 }
 
 #[test]
-fn document_parses_as_openapi_3_1() {
+fn document_parses_as_openapi_3_2() {
     let spec = oas3::from_json(document_text()).expect("oas3 parses the document");
-    let version = spec
-        .validate_version()
-        .expect("a supported OpenAPI version");
-    assert_eq!((version.major, version.minor), (3, 1));
+    assert_eq!(spec.openapi, "3.2.0");
     let operations: BTreeSet<String> = spec
         .operations()
         .map(|(path, method, op)| {
@@ -124,12 +125,19 @@ fn event_streams_describe_their_items() {
     for route in ROUTES {
         if let Response::EventStream { item } = route.response {
             let content = &document["paths"][route.path]["get"]["responses"]["200"]["content"];
+            let item_schema = &content["text/event-stream"]["itemSchema"];
             assert_eq!(
-                content["text/event-stream"]["x-keel-item"]["$ref"],
+                item_schema["properties"]["data"]["contentSchema"]["$ref"],
                 format!("#/components/schemas/{}", item.rust),
                 "{}",
                 route.path
             );
+            assert_eq!(
+                item_schema["properties"]["data"]["contentMediaType"], "application/json",
+                "{}",
+                route.path
+            );
+            assert_eq!(item_schema["required"], serde_json::json!(["data"]));
         }
     }
 }

@@ -41,8 +41,13 @@ pub struct CreateSession {
     pub agent: Option<String>,
     /// `provider/model`; defaults to the agent's model, then the configured default model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = MODEL_PATTERN))]
     pub model: Option<String>,
 }
+
+/// What `provider/model` text must look like ([`crate::types::ModelRef`]'s parse): a
+/// provider without `/`, a `/`, and a non-empty model id (which may hold more slashes).
+pub const MODEL_PATTERN: &str = r"^[^/]+/[\s\S]+$";
 
 /// `PATCH /api/session/{id}`: rename, or switch agent or model for later steps.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -56,6 +61,7 @@ pub struct UpdateSession {
     pub agent: Option<String>,
     /// `provider/model`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = MODEL_PATTERN))]
     pub model: Option<String>,
 }
 
@@ -81,11 +87,16 @@ pub struct Session {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListSessionsQuery {
-    /// `next_cursor` of the previous page.
+    /// `next_cursor` of the previous page (a session id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Tighter than `SessionId`'s published pattern, which can no longer change: a ULID's
+    // first character is at most `7` (more overflows 128 bits), and a cursor the pattern
+    // lets through must parse.
+    #[schemars(regex(pattern = r"^ses_[0-7][0-9A-HJKMNP-TV-Z]{25}$"))]
     pub cursor: Option<String>,
     /// Page size, 1 to 200 (default 50).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 200))]
     pub limit: Option<u32>,
 }
 
@@ -139,6 +150,7 @@ pub struct PromptRequest {
     /// it. (An `inp_` id is used as the input's id itself.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
+    #[schemars(length(min = 1))]
     pub parts: Vec<Part>,
     /// Defaults to `queue`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -216,6 +228,7 @@ pub enum QuestionReply {
     },
     /// `{"dismiss": true}`; the continuation is interrupted.
     Dismiss {
+        #[schemars(extend("const" = true))]
         dismiss: bool,
     },
 }
@@ -339,6 +352,7 @@ pub struct LogQuery {
     pub follow: Option<bool>,
     /// `ephemeral` interleaves live deltas (without `id:`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["ephemeral"]))]
     pub include: Option<String>,
 }
 

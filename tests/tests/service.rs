@@ -615,3 +615,167 @@ async fn log_lines_carry_the_spans_of_their_request_execution_step_and_tool() {
             && line.contains(r#""path":"/api/session""#)
     }));
 }
+
+/// One bad request of [`every_error_a_route_answers_is_listed_in_its_contract`].
+struct Case<'a> {
+    what: &'static str,
+    /// The session id in the path, if the path has one.
+    id: &'a str,
+    token: Option<&'static str>,
+    /// Whether the body is sent as `application/json`.
+    json: bool,
+    body: String,
+    query: String,
+}
+
+/// Every answer a route gives to a bad request (no or a wrong token, an unknown, malformed
+/// or deleted session, a malformed, mistyped, non-object or oversized body, no content
+/// type, a bad query) is a status its operation lists in the contract, with the
+/// documented error body.
+#[tokio::test]
+async fn every_error_a_route_answers_is_listed_in_its_contract() {
+    const TOKEN: &str = "contract-walk";
+    let server = Server::start(&["--token", TOKEN, "--body-limit", "1024"]);
+    let contract: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(keel_tests::workspace_root().join("contracts/openapi.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let client = Client::new(&server.base_url).unwrap().with_token(TOKEN);
+    let deleted = client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap()
+        .id;
+    client.delete_session(deleted).await.unwrap();
+    let deleted = deleted.to_string();
+
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for (path, item) in contract["paths"].as_object().unwrap() {
+        for (method, operation) in item.as_object().unwrap() {
+            let documented: Vec<u16> = operation["responses"]
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(|s| s.parse().unwrap())
+                .collect();
+            let secured = operation.get("security") != Some(&serde_json::json!([]));
+            let has_body = operation.get("requestBody").is_some();
+            let queries: Vec<&str> = operation["parameters"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["in"] == "query")
+                .map(|p| p["name"].as_str().unwrap())
+                .collect();
+            let unknown = "ses_01KBFVGY400000000000000001";
+            let good_body = if has_body { "{}" } else { "" };
+            let case = |what, id, token| Case {
+                what,
+                id,
+                token,
+                json: true,
+                body: good_body.to_owned(),
+                query: String::new(),
+            };
+            let mut cases = vec![];
+            if secured {
+                cases.push(case("no token", unknown, None));
+                cases.push(case("a wrong token", unknown, Some("nope")));
+            }
+            if path.contains("{id}") {
+                cases.push(case("an unknown session", unknown, Some(TOKEN)));
+                cases.push(case("no session id", "nope", Some(TOKEN)));
+                cases.push(case("a deleted session", &deleted, Some(TOKEN)));
+            }
+            // What is left to refuse is the body or the query.
+            let target = if path.contains("{id}") { unknown } else { "" };
+            if has_body {
+                for (what, body) in [
+                    ("malformed JSON", "{".to_owned()),
+                    ("an array body", "[null, null]".to_owned()),
+                    ("an unknown field", r#"{"bogus": 1}"#.to_owned()),
+                    (
+                        "an oversized body",
+                        format!(r#"{{"title": "{}"}}"#, "x".repeat(4096)),
+                    ),
+                ] {
+                    cases.push(Case {
+                        body,
+                        ..case(what, target, Some(TOKEN))
+                    });
+                }
+                cases.push(Case {
+                    json: false,
+                    ..case("no content type", target, Some(TOKEN))
+                });
+            }
+            if !queries.is_empty() {
+                let bad: Vec<String> = queries.iter().map(|q| format!("{q}=%FF%FE")).collect();
+                cases.push(Case {
+                    query: bad.join("&"),
+                    ..case("a bad query", target, Some(TOKEN))
+                });
+            }
+            for Case {
+                what,
+                id,
+                token,
+                json,
+                body,
+                query,
+            } in cases
+            {
+                let concrete = path
+                    .replace("{id}", id)
+                    .replace("{request_id}", "req_01KBFVGY400000000000000008");
+                let query = if query.is_empty() {
+                    "follow=false".to_owned()
+                } else {
+                    query
+                };
+                let url = format!("{}{concrete}?{query}", server.base_url);
+                let mut request = http.request(method.to_uppercase().parse().unwrap(), &url);
+                if let Some(token) = token {
+                    request = request.bearer_auth(token);
+                }
+                if json {
+                    request = request.header("content-type", "application/json");
+                }
+                if !body.is_empty() {
+                    request = request.body(body);
+                }
+                let response = request.send().await.unwrap();
+                let status = response.status().as_u16();
+                assert!(
+                    documented.contains(&status),
+                    "{method} {path} with {what} answered {status}, which its contract \
+                     does not list ({documented:?})"
+                );
+                seen.insert(status);
+                // Every case is a bad request, but for a deleted session's log, which is
+                // kept and readable.
+                let kept_log = what == "a deleted session" && path.ends_with("/log");
+                assert!(
+                    status >= 400 || kept_log,
+                    "{method} {path} with {what} was accepted ({status})"
+                );
+                if status >= 400 {
+                    let error: serde_json::Value = response.json().await.unwrap();
+                    assert!(
+                        error["error"]["type"].is_string() && error["error"]["message"].is_string(),
+                        "{method} {path} with {what}: {error}"
+                    );
+                }
+            }
+        }
+    }
+    // The walk reached every kind of refusal it provokes.
+    for status in [400, 401, 404, 413] {
+        assert!(seen.contains(&status), "no {status} in {seen:?}");
+    }
+}

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
@@ -18,7 +18,7 @@ use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{OwnerId, RequestId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef};
 
-use super::extract::{ExistingSession, RequestPath, existing};
+use super::extract::{Body, ExistingSession, RequestPath, existing};
 use super::{ApiError, AppState};
 use crate::cluster;
 use crate::coordinator::Scope;
@@ -126,9 +126,9 @@ fn session_directory(root: &std::path::Path, requested: &str) -> Result<String> 
 
 pub async fn create_session(
     State(state): State<AppState>,
-    body: std::result::Result<Json<CreateSession>, JsonRejection>,
+    body: std::result::Result<Body<CreateSession>, ApiError>,
 ) -> Result<(StatusCode, Json<Session>)> {
-    let Json(body) = body?;
+    let Body(body) = body?;
     let directory = match body.directory {
         Some(directory) => session_directory(&state.root, &directory)?,
         None => state.root.to_string_lossy().into_owned(),
@@ -193,10 +193,10 @@ pub async fn get_session(ExistingSession(session): ExistingSession) -> Json<Sess
 pub async fn update_session(
     State(state): State<AppState>,
     ExistingSession(session): ExistingSession,
-    body: std::result::Result<Json<UpdateSession>, JsonRejection>,
+    body: std::result::Result<Body<UpdateSession>, ApiError>,
 ) -> Result<Json<Session>> {
     let id = session.id;
-    let Json(body) = body?;
+    let Body(body) = body?;
     let mut events = Vec::new();
     if let Some(title) = body.title {
         events.push(DurableEvent::Renamed(payload::Renamed { title }));
@@ -311,9 +311,9 @@ pub async fn prompt(
     State(state): State<AppState>,
     ExistingSession(session): ExistingSession,
     headers: HeaderMap,
-    body: std::result::Result<Json<PromptRequest>, JsonRejection>,
+    body: std::result::Result<Body<PromptRequest>, ApiError>,
 ) -> Result<(StatusCode, Json<PromptResponse>)> {
-    let Json(body) = body?;
+    let Body(body) = body?;
     let key = idempotency_key(&headers, body.id)?;
     let id = key
         .map(|key| inbox::keyed_id(session.id, &key))
@@ -432,9 +432,9 @@ pub async fn reply_permission(
     State(state): State<AppState>,
     ExistingSession(session): ExistingSession,
     RequestPath(request): RequestPath,
-    body: std::result::Result<Json<PermissionReply>, JsonRejection>,
+    body: std::result::Result<Body<PermissionReply>, ApiError>,
 ) -> Result<Json<Accepted>> {
-    let Json(body) = body?;
+    let Body(body) = body?;
     replied(
         &state,
         session.id,
@@ -448,9 +448,9 @@ pub async fn reply_question(
     State(state): State<AppState>,
     ExistingSession(session): ExistingSession,
     RequestPath(request): RequestPath,
-    body: std::result::Result<Json<QuestionReply>, JsonRejection>,
+    body: std::result::Result<Body<QuestionReply>, ApiError>,
 ) -> Result<Json<Accepted>> {
-    let Json(body) = body?;
+    let Body(body) = body?;
     let reply = match body {
         QuestionReply::Answer { answer } => Reply::Answer(answer),
         QuestionReply::Dismiss { dismiss: true } => Reply::Dismiss,
