@@ -122,6 +122,11 @@ impl Options {
     }
 
     fn check(&self) -> Result<(), Error> {
+        if self.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return Err(Error::Invalid(
+                "the token is empty: set a real one, or none (KEEL_TOKEN unset)".into(),
+            ));
+        }
         if !self.listen.ip().is_loopback() && self.token.is_none() {
             return Err(Error::TokenRequired(self.listen));
         }

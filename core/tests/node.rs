@@ -185,6 +185,15 @@ async fn a_node_refuses_options_that_are_unsafe_or_unusable() {
         panic!("a lease under the minimum is refused");
     };
     assert!(message.contains("lease"), "{message}");
+    // An empty token (KEEL_TOKEN= in an environment, say) would guard nothing.
+    let empty = Options {
+        token: Some(String::new()),
+        ..options(dir.path(), Config::default())
+    };
+    let Err(node::Error::Invalid(message)) = Node::start(empty).await else {
+        panic!("an empty token is refused");
+    };
+    assert!(message.contains("token"), "{message}");
     assert!(
         !dir.path().join("keel.db").exists(),
         "refused options open no database"

@@ -1,6 +1,7 @@
 //! Keel's project tasks, run as `cargo xtask <task>`.
 //!
-//! - `regenerate`: writes every generated file (contracts and the client's endpoint layer).
+//! - `regenerate`: writes every generated file (contracts, the Rust client's endpoint layer
+//!   and the TypeScript client's types).
 //! - `check`: fails, naming each file, when a generated file is stale, when the catalog and
 //!   `contracts/events/` disagree, or when a published event version's schema changed.
 //! - `bench [--quick] [--postgres] [--only store|runner|server]`: runs the benchmarks, prints a
@@ -14,6 +15,7 @@ mod bench;
 mod crash;
 mod published;
 mod test;
+mod typescript;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -75,7 +77,20 @@ fn regenerate(root: &Path) -> Result<()> {
             changed += 1;
         }
     }
-    println!("{} generated files, {changed} changed", files.len());
+    let openapi = contract(&files)?;
+    match typescript::generate(root, &openapi.contents)? {
+        Some(types) => {
+            let path = root.join(typescript::GENERATED);
+            if fs::read_to_string(&path).ok().as_deref() != Some(types.as_str()) {
+                fs::write(&path, types)
+                    .with_context(|| format!("writing {}", typescript::GENERATED))?;
+                println!("wrote {}", typescript::GENERATED);
+                changed += 1;
+            }
+        }
+        None => bail!("{}; the other files are written", typescript::INSTALL),
+    }
+    println!("{} generated files, {changed} changed", files.len() + 1);
     Ok(())
 }
 
@@ -106,6 +121,14 @@ fn read_generated(root: &Path, files: &[File]) -> Result<BTreeMap<String, String
     Ok(on_disk)
 }
 
+/// The generated OpenAPI document, which the TypeScript client's types come from.
+fn contract(files: &[File]) -> Result<&File> {
+    files
+        .iter()
+        .find(|f| f.path == "contracts/openapi.json")
+        .context("the contract is among the generated files")
+}
+
 fn run_check(root: &Path) -> Result<()> {
     let files = generate();
     let on_disk = read_generated(root, &files)?;
@@ -128,8 +151,34 @@ fn run_check(root: &Path) -> Result<()> {
     }
     problems.extend(check::stale(&files, &on_disk));
     problems.extend(check::index_agrees_with_files(&on_disk));
+    let mut checked = files.len();
+    let openapi = contract(&files)?;
+    match typescript::generate(root, &openapi.contents)? {
+        Some(types) => {
+            checked += 1;
+            let path = root.join(typescript::GENERATED);
+            if fs::read_to_string(&path).ok().as_deref() != Some(types.as_str()) {
+                problems.push(check::Problem {
+                    path: typescript::GENERATED.into(),
+                    message: "stale: it differs from what openapi-typescript generates from \
+                              the contract; run `cargo xtask regenerate` and commit the result"
+                        .into(),
+                });
+            }
+        }
+        None if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            problems.push(check::Problem {
+                path: typescript::PACKAGE.into(),
+                message: format!(
+                    "{} (CI must check the TypeScript client)",
+                    typescript::INSTALL
+                ),
+            });
+        }
+        None => println!("note: {}; its types were not checked", typescript::INSTALL),
+    }
     if problems.is_empty() {
-        println!("contracts are up to date ({} generated files)", files.len());
+        println!("contracts are up to date ({checked} generated files)");
         return Ok(());
     }
     for problem in &problems {
