@@ -20,6 +20,18 @@ impl Client {
             .await
     }
 
+    /// `POST /api/login`: Exchange the server's token for a read cookie (HttpOnly, SameSite=Strict, for the browser session): it authenticates GET requests, the event streams among them, so a browser need not put the token in a URL. Writes still need the bearer token. Without a configured token, nothing is set.
+    pub async fn login(&self, body: &LoginRequest) -> Result<(), Error> {
+        self.call_empty(reqwest::Method::POST, "/api/login".to_owned(), None::<&()>, Some(body))
+            .await
+    }
+
+    /// `POST /api/logout`: Clear the read cookie.
+    pub async fn logout(&self) -> Result<(), Error> {
+        self.call_empty(reqwest::Method::POST, "/api/logout".to_owned(), None::<&()>, None::<&()>)
+            .await
+    }
+
     /// `POST /api/session`: Create a session. A directory that does not exist, or is outside the server's root, is a 400.
     pub async fn create_session(&self, body: &CreateSession) -> Result<Session, Error> {
         self.call_json(reqwest::Method::POST, "/api/session".to_owned(), None::<&()>, Some(body))

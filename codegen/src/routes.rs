@@ -123,13 +123,16 @@ pub struct Route {
     pub auth: bool,
     /// Whether the route can answer 409 Conflict.
     pub conflicts: bool,
+    /// Whether the route checks a token of its own (the login), so can answer 401
+    /// although it is public.
+    pub checks_token: bool,
 }
 
 impl Route {
     /// The error statuses this route can answer with, ascending.
     pub fn error_statuses(&self) -> Vec<u16> {
         let mut statuses = vec![400];
-        if self.auth {
+        if self.auth || self.checks_token {
             statuses.push(401);
         }
         if !self.params.is_empty() {
@@ -166,6 +169,7 @@ impl Route {
             response,
             auth: true,
             conflicts: false,
+            checks_token: false,
         }
     }
 
@@ -216,6 +220,12 @@ impl Route {
         self
     }
 
+    /// Checks a token given in its body: can answer 401 although public.
+    const fn checks_token(mut self) -> Self {
+        self.checks_token = true;
+        self
+    }
+
     /// Can answer 409 Conflict.
     const fn conflicts(mut self) -> Self {
         self.conflicts = true;
@@ -247,6 +257,19 @@ pub const ROUTES: &[Route] = &[
              commits, and on PostgreSQL the connection to the other nodes is up, each \
              within 2 s. A 503 names the check that failed. Never requires a token.",
         )
+        .public(),
+    Route::post("/api/login", "login", Response::Empty { status: 204 })
+        .summary(
+            "Exchange the server's token for a read cookie (HttpOnly, SameSite=Strict, for the \
+             browser session): it authenticates GET requests, the event streams among them, \
+             so a browser need not put the token in a URL. Writes still need the bearer \
+             token. Without a configured token, nothing is set.",
+        )
+        .body(ty!(LoginRequest))
+        .public()
+        .checks_token(),
+    Route::post("/api/logout", "logout", Response::Empty { status: 204 })
+        .summary("Clear the read cookie.")
         .public(),
     Route::post("/api/session", "create_session", json(201, ty!(Session)))
         .summary(

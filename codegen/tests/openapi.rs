@@ -107,7 +107,7 @@ fn path_parameters_match_the_path_templates() {
 }
 
 #[test]
-fn the_liveness_and_readiness_probes_are_the_only_routes_without_the_bearer_token() {
+fn the_probes_and_the_login_are_the_only_routes_without_the_bearer_token() {
     let document = openapi::document();
     let open: Vec<&str> = ROUTES
         .iter()
@@ -116,7 +116,10 @@ fn the_liveness_and_readiness_probes_are_the_only_routes_without_the_bearer_toke
         })
         .map(|r| r.path)
         .collect();
-    assert_eq!(open, vec!["/api/health", "/api/ready"]);
+    assert_eq!(
+        open,
+        vec!["/api/health", "/api/ready", "/api/login", "/api/logout"]
+    );
 }
 
 #[test]

@@ -99,6 +99,8 @@ pub struct Options {
     pub metrics_listen: Option<SocketAddr>,
     /// Serve HTTPS with this configuration ([`server::tls::load`]) instead of plain HTTP.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Origins whose pages may call Keel from a browser ([`server::cors::parse_origin`]).
+    pub cors_origins: Vec<axum::http::HeaderValue>,
 }
 
 impl Options {
@@ -118,6 +120,7 @@ impl Options {
             root: None,
             metrics_listen: None,
             tls: None,
+            cors_origins: Vec::new(),
         }
     }
 
@@ -330,6 +333,8 @@ impl Node {
             bus,
             auth_failures: server::AuthFailures::default(),
             root,
+            tls: options.tls.is_some(),
+            cors: options.cors_origins,
         });
         if let Some((listener, address)) = metrics {
             tracing::info!(%address, "metrics served without the token on /metrics");

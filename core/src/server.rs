@@ -1,26 +1,23 @@
 //! The HTTP service (SPEC section 12): JSON routes, the log and event streams, bearer
 //! token, body limit, and errors as `{"error": {"type", "message"}}`.
 
+mod auth;
+pub mod cors;
 mod error;
 mod extract;
 mod routes;
 mod sse;
 pub mod tls;
 
-use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{ConnectInfo, DefaultBodyLimit, Request, State};
-use axum::http::HeaderValue;
-use axum::http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
 use axum::routing::{get, post};
-use keel_schema::api::ErrorType;
 
+pub use auth::AuthFailures;
 pub use error::ApiError;
 
 use crate::config::Config;
@@ -43,27 +40,10 @@ pub struct Shared {
     pub auth_failures: AuthFailures,
     /// Sessions' directories must be inside this one (canonical).
     pub root: std::path::PathBuf,
-}
-
-/// How many requests each peer address sent with a missing or wrong token.
-#[derive(Debug, Default)]
-pub struct AuthFailures(Mutex<HashMap<IpAddr, u64>>);
-
-impl AuthFailures {
-    /// Most addresses remembered; past it the counts start again (the log is what
-    /// matters, not exact totals).
-    const MAX_PEERS: usize = 4096;
-
-    /// Counts a failure from `peer`; returns how many there were.
-    fn record(&self, peer: IpAddr) -> u64 {
-        let mut counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if counts.len() >= Self::MAX_PEERS && !counts.contains_key(&peer) {
-            counts.clear();
-        }
-        let count = counts.entry(peer).or_default();
-        *count += 1;
-        *count
-    }
+    /// Whether the server speaks TLS itself (its cookies are then `Secure`).
+    pub tls: bool,
+    /// Origins whose pages may call Keel from a browser ([`cors`]).
+    pub cors: Vec<axum::http::HeaderValue>,
 }
 
 pub type AppState = Arc<Shared>;
@@ -88,6 +68,8 @@ pub fn router(state: AppState, limits: &Limits) -> Router {
     Router::new()
         .route("/api/health", get(routes::health))
         .route("/api/ready", get(routes::ready))
+        .route("/api/login", post(auth::login))
+        .route("/api/logout", post(auth::logout))
         .route(
             "/api/session",
             post(routes::create_session).get(routes::list_sessions),
@@ -121,8 +103,12 @@ pub fn router(state: AppState, limits: &Limits) -> Router {
         .layer(axum::middleware::from_fn(in_request_span))
         .route("/openapi.json", get(routes::openapi))
         .fallback(routes::not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::authorize,
+        ))
         .layer(DefaultBodyLimit::max(limits.body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), cors::cors))
         .with_state(state)
 }
 
@@ -133,51 +119,6 @@ pub fn metrics_router(state: AppState) -> Router {
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)
         .with_state(state)
-}
-
-/// Requires the bearer token, when one is configured, on everything but the probes. The
-/// token is compared in constant time (as digests, so not even its length shows); a
-/// refusal says how to authenticate (`WWW-Authenticate: Bearer`), and failures are logged
-/// with the peer's address: the first, then each time the count doubles.
-async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let Some(token) = &state.token else {
-        return next.run(request).await;
-    };
-    if matches!(request.uri().path(), "/api/health" | "/api/ready") {
-        return next.run(request).await;
-    }
-    let presented = request
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if presented.is_some_and(|presented| same_token(presented, token)) {
-        return next.run(request).await;
-    }
-    if let Some(ConnectInfo(peer)) = request.extensions().get::<ConnectInfo<SocketAddr>>() {
-        let count = state.auth_failures.record(peer.ip());
-        if count.is_power_of_two() {
-            tracing::warn!(peer = %peer.ip(), failures = count, path = request.uri().path(), "a request was refused: missing or wrong token");
-        }
-    }
-    let mut refused = ApiError::new(
-        ErrorType::Unauthorized,
-        "this server needs `Authorization: Bearer <KEEL_TOKEN>`",
-    )
-    .into_response();
-    refused.headers_mut().insert(
-        WWW_AUTHENTICATE,
-        HeaderValue::from_static("Bearer realm=\"keel\""),
-    );
-    refused
-}
-
-/// Whether `presented` is `token`, in time that depends on neither.
-fn same_token(presented: &str, token: &str) -> bool {
-    use sha1::{Digest, Sha1};
-    use subtle::ConstantTimeEq;
-    let digest = |text: &str| Sha1::digest(text.as_bytes());
-    digest(presented).ct_eq(&digest(token)).into()
 }
 
 /// Runs a request inside a `request` span (method and path, never the query, which may
@@ -204,26 +145,4 @@ async fn in_request_span(
     }
     .instrument(span)
     .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_the_exact_token_is_the_same() {
-        assert!(same_token("s3cret", "s3cret"));
-        for other in ["", "s3cre", "s3cret ", "S3cret", "s3cret\0"] {
-            assert!(!same_token(other, "s3cret"), "{other:?}");
-        }
-    }
-
-    #[test]
-    fn failures_are_counted_per_address() {
-        let failures = AuthFailures::default();
-        let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
-        assert_eq!(failures.record(a), 1);
-        assert_eq!(failures.record(a), 2);
-        assert_eq!(failures.record(b), 1);
-    }
 }

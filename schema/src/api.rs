@@ -49,6 +49,13 @@ pub struct CreateSession {
 /// provider without `/`, a `/`, and a non-empty model id (which may hold more slashes).
 pub const MODEL_PATTERN: &str = r"^[^/]+/[\s\S]+$";
 
+/// `POST /api/login`: the server's token, exchanged for a read cookie (see the route).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LoginRequest {
+    pub token: String,
+}
+
 /// `PATCH /api/session/{id}`: rename, or switch agent or model for later steps.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -538,9 +545,21 @@ pub struct ErrorDetail {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
     use serde_json::json;
 
     use super::*;
+    use crate::types::ModelRef;
+
+    proptest! {
+        /// The contract's pattern for `provider/model` text accepts exactly what the
+        /// server parses, so a schema-valid model is never refused for its form.
+        #[test]
+        fn the_model_pattern_accepts_what_parses(text in "[a-z/ \n\u{e9}]{0,8}") {
+            let pattern = regex::Regex::new(MODEL_PATTERN).unwrap();
+            prop_assert_eq!(pattern.is_match(&text), text.parse::<ModelRef>().is_ok(), "{:?}", text);
+        }
+    }
 
     #[test]
     fn prompt_request_refuses_unknown_fields() {

@@ -505,7 +505,7 @@ async fn every_route_of_the_contract_is_served() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 21);
+    assert_eq!(checked, 23);
 }
 
 #[tokio::test]
@@ -778,4 +778,164 @@ async fn every_error_a_route_answers_is_listed_in_its_contract() {
     for status in [400, 401, 404, 413] {
         assert!(seen.contains(&status), "no {status} in {seen:?}");
     }
+}
+
+/// The read cookie: `POST /api/login` with the token sets it (HttpOnly, SameSite=Strict,
+/// not the token itself); it then opens reads, the log stream included, but no write;
+/// a wrong token gets none; logout clears it.
+#[tokio::test]
+async fn a_login_cookie_opens_reads_and_streams_but_no_writes() {
+    let server = Server::start(&["--token", "s3cret"]);
+    let http = reqwest::Client::new();
+    let url = |path: &str| format!("{}{path}", server.base_url);
+    let login = |token: &'static str| {
+        http.post(url("/api/login"))
+            .header("content-type", "application/json")
+            .body(serde_json::json!({ "token": token }).to_string())
+            .send()
+    };
+
+    let refused = login("wrong").await.unwrap();
+    assert_eq!(refused.status(), 401);
+    assert!(refused.headers().get("set-cookie").is_none());
+
+    let accepted = login("s3cret").await.unwrap();
+    assert_eq!(accepted.status(), 204);
+    let set = accepted.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(set.starts_with("keel_read="), "{set}");
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/"] {
+        assert!(set.contains(attribute), "{attribute} in {set}");
+    }
+    assert!(
+        !set.contains("s3cret"),
+        "the cookie is not the token: {set}"
+    );
+    let cookie = set.split(';').next().unwrap().to_owned();
+
+    let client = Client::new(&server.base_url).unwrap().with_token("s3cret");
+    let session = client
+        .create_session(&CreateSession::default())
+        .await
+        .unwrap()
+        .id;
+    let read = http
+        .get(url(&format!("/api/session/{session}")))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 200);
+    let stream = http
+        .get(url(&format!("/api/session/{session}/log?follow=false")))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    assert!(stream.text().await.unwrap().contains("event: synced"));
+    // A write with the cookie alone is refused, and nothing is written.
+    let write = http
+        .post(url(&format!("/api/session/{session}/prompt")))
+        .header("cookie", &cookie)
+        .header("content-type", "application/json")
+        .body(r#"{"parts":[{"type":"text","text":"hi"}]}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(write.status(), 401);
+    assert_eq!(client.get_session(session).await.unwrap().last_seq, 1);
+    // A made-up cookie opens nothing.
+    let forged = http
+        .get(url("/api/session"))
+        .header("cookie", "keel_read=s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(forged.status(), 401);
+
+    let out = http.post(url("/api/logout")).send().await.unwrap();
+    assert_eq!(out.status(), 204);
+    let cleared = out.headers()["set-cookie"].to_str().unwrap();
+    assert!(
+        cleared.starts_with("keel_read=;") && cleared.contains("Max-Age=0"),
+        "{cleared}"
+    );
+}
+
+/// `--cors-origin`: a listed origin's preflight is answered without the token and every
+/// answer names the origin; any other origin gets no CORS header; `*` is refused at start.
+#[tokio::test]
+async fn cross_origin_calls_are_allowed_only_from_the_listed_origins() {
+    const CONSOLE: &str = "http://console.test:5173";
+    let server = Server::start(&["--token", "t", "--cors-origin", CONSOLE]);
+    let http = reqwest::Client::new();
+    let url = format!("{}/api/session", server.base_url);
+    let preflight = |origin: &'static str| {
+        http.request(reqwest::Method::OPTIONS, &url)
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization, content-type",
+            )
+            .send()
+    };
+    let allow = |r: &reqwest::Response| {
+        r.headers()
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+
+    let answered = preflight(CONSOLE).await.unwrap();
+    assert_eq!(answered.status(), 204);
+    assert_eq!(allow(&answered).as_deref(), Some(CONSOLE));
+    let headers = answered.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap();
+    assert!(
+        headers.contains("authorization") && headers.contains("last-event-id"),
+        "{headers}"
+    );
+
+    let listed = http
+        .get(&url)
+        .header("origin", CONSOLE)
+        .bearer_auth("t")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(listed.status(), 200);
+    assert_eq!(allow(&listed).as_deref(), Some(CONSOLE));
+    // A refusal is readable by the page too, so it can ask for the token.
+    let refused = http
+        .get(&url)
+        .header("origin", CONSOLE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+    assert_eq!(allow(&refused).as_deref(), Some(CONSOLE));
+
+    let elsewhere = preflight("http://elsewhere.test").await.unwrap();
+    assert_ne!(elsewhere.status(), 204);
+    assert_eq!(allow(&elsewhere), None);
+    let elsewhere = http
+        .get(&url)
+        .header("origin", "http://elsewhere.test")
+        .bearer_auth("t")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(allow(&elsewhere), None);
+
+    let wildcard = std::process::Command::new(keel_tests::keel_binary())
+        .args(["serve", "--listen", "127.0.0.1:0", "--cors-origin", "*"])
+        .output()
+        .unwrap();
+    assert!(!wildcard.status.success());
+    let stderr = String::from_utf8_lossy(&wildcard.stderr);
+    assert!(stderr.contains("no wildcard"), "{stderr}");
 }

@@ -107,6 +107,20 @@ export class KeelClient {
     return this.call("GET", "/api/ready");
   }
 
+  /**
+   * `POST /api/login`: in a browser, exchanges the token for a read cookie that
+   * authenticates GET requests (the event streams among them) without the token in a
+   * URL. Writes still send the token.
+   */
+  login(token: string): Promise<void> {
+    return this.call("POST", "/api/login", { body: { token } satisfies Schemas["LoginRequest"] });
+  }
+
+  /** `POST /api/logout`: clears the read cookie. */
+  logout(): Promise<void> {
+    return this.call("POST", "/api/logout");
+  }
+
   /** `POST /api/session`. */
   createSession(body: Schemas["CreateSession"] = {}): Promise<Session> {
     return this.call("POST", "/api/session", { body });

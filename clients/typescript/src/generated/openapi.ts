@@ -38,6 +38,40 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/login": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Exchange the server's token for a read cookie (HttpOnly, SameSite=Strict, for the browser session): it authenticates GET requests, the event streams among them, so a browser need not put the token in a URL. Writes still need the bearer token. Without a configured token, nothing is set. */
+        post: operations["login"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/logout": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Clear the read cookie. */
+        post: operations["logout"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/session": {
         parameters: {
             query?: never;
@@ -1056,6 +1090,10 @@ export interface components {
          *     asked for, or the `synced` marker between history and live events.
          */
         LogItem: components["schemas"]["Envelope"] | components["schemas"]["EphemeralEnvelope"] | components["schemas"]["Synced"];
+        /** @description `POST /api/login`: the server's token, exchanged for a read cookie (see the route). */
+        LoginRequest: {
+            token: string;
+        };
         /** @description An MCP server of `keel.toml`. */
         McpServer: {
             name: string;
@@ -1735,6 +1773,55 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["Ready"];
                 };
+            };
+            400: components["responses"]["Error400"];
+            500: components["responses"]["Error500"];
+            503: components["responses"]["Error503"];
+        };
+    };
+    login: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["LoginRequest"];
+            };
+        };
+        responses: {
+            /** @description Success. */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            400: components["responses"]["Error400"];
+            401: components["responses"]["Error401"];
+            413: components["responses"]["Error413"];
+            422: components["responses"]["Error422"];
+            500: components["responses"]["Error500"];
+            503: components["responses"]["Error503"];
+        };
+    };
+    logout: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Success. */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
             400: components["responses"]["Error400"];
             500: components["responses"]["Error500"];

@@ -64,6 +64,11 @@ pub struct Serve {
     /// The PEM private key of --tls-cert.
     #[arg(long, env = "KEEL_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Let pages from this origin (scheme://host[:port]) call Keel from a browser; repeat
+    /// for several, or separate them with commas. Off by default.
+    #[arg(long = "cors-origin", env = "KEEL_CORS_ORIGIN", value_delimiter = ',',
+          value_parser = keel_core::server::cors::parse_origin)]
+    cors_origins: Vec<axum::http::HeaderValue>,
     /// Also serve `GET /metrics` on this address, without the token (for a Prometheus
     /// scraper that should not hold it); `/metrics` on --listen keeps asking for it.
     #[arg(long, env = "KEEL_METRICS_LISTEN")]
@@ -189,6 +194,7 @@ pub async fn serve(args: Serve) -> Result<()> {
         root: args.root,
         metrics_listen: args.metrics_listen,
         tls,
+        cors_origins: args.cors_origins,
         ..Options::new(db.clone(), config)
     };
     let node = Node::start(options).await?;
