@@ -151,7 +151,7 @@ impl Beneath {
 
     /// Whether `real` is, right now, a regular file beneath the session directory.
     pub(crate) fn is_file(&self, real: &Path) -> bool {
-        self.open(real, READ, 0)
+        self.open(real, LOOK, 0)
             .and_then(|file| file.metadata())
             .is_ok_and(|meta| meta.is_file())
     }
@@ -253,6 +253,13 @@ pub(crate) fn failure(shown: &str, error: &io::Error) -> Error {
 /// Flags for opening a file to read it: never blocking on a FIFO, never becoming the
 /// controlling terminal.
 pub(crate) const READ: libc::c_int = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
+
+/// Flags for opening a file only to look at what it is: `O_PATH` on Linux (no read
+/// permission needed, nothing read), a non-blocking read elsewhere.
+#[cfg(target_os = "linux")]
+const LOOK: libc::c_int = libc::O_PATH;
+#[cfg(not(target_os = "linux"))]
+const LOOK: libc::c_int = READ;
 
 /// Flags for opening a directory to walk through or list it.
 pub(crate) const DIRECTORY: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY;
