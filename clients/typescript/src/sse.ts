@@ -40,15 +40,21 @@ export async function* serverSentEvents(
     watch();
     for (;;) {
       const { value, done } = await reader.read();
-      if (done) return;
-      watch();
-      buffer += decoder.decode(value, { stream: true });
+      if (done) {
+        // A "\r" held back below ends its line after all. Whatever else is left is an
+        // incomplete message, which the standard says to drop.
+        if (!buffer.endsWith("\r")) return;
+        buffer = buffer.slice(0, -1) + "\n";
+      } else {
+        watch();
+        buffer += decoder.decode(value, { stream: true });
+      }
       let newline: number;
       while ((newline = buffer.search(/\r\n|\r|\n/)) >= 0) {
         const line = buffer.slice(0, newline);
         const width = buffer.startsWith("\r\n", newline) ? 2 : 1;
         // A lone "\r" at the end may be the first half of "\r\n": wait for more.
-        if (buffer[newline] === "\r" && newline + 1 === buffer.length) break;
+        if (!done && buffer[newline] === "\r" && newline + 1 === buffer.length) break;
         buffer = buffer.slice(newline + width);
         if (line === "") {
           if (data.length > 0) {
@@ -68,6 +74,7 @@ export async function* serverSentEvents(
         else if (field === "event") event = value;
         else if (field === "id") id = value;
       }
+      if (done) return;
     }
   } catch (error) {
     // An aborted read says only "aborted"; the reason says why.
