@@ -11,7 +11,6 @@ use futures::StreamExt;
 use keel_client::Client;
 use keel_client::schema::api::{CreateSession, LogItem, PromptRequest};
 use keel_client::schema::event::DurableEvent;
-use keel_client::schema::types::Part;
 use keel_core::config::Config;
 use keel_core::node::{Node, Options};
 use keel_core::store::DbUrl;
@@ -101,17 +100,7 @@ fn a_prompt_s_spans_reach_the_collector_with_their_ids_and_nesting() {
             .await
             .expect("the session is created");
         client
-            .prompt(
-                session.id,
-                &PromptRequest {
-                    id: None,
-                    parts: vec![Part::Text {
-                        text: "What is here?".into(),
-                    }],
-                    delivery: None,
-                    request_execution: None,
-                },
-            )
+            .prompt(session.id, &PromptRequest::text("What is here?"))
             .await
             .expect("the prompt is admitted");
         let mut log = client.session_log(session.id, 0);
