@@ -25,8 +25,13 @@ export async function* serverSentEvents(
   const reader = body.getReader();
   const decoder = new TextDecoder();
   let timer: ReturnType<typeof setTimeout> | undefined;
+  // A connection aborted while this iterator waits at a `yield` (its reader stopped
+  // reading) must not leave the watchdog armed: a pending timer keeps Node running.
+  const disarm = () => clearTimeout(timer);
+  connection.signal.addEventListener("abort", disarm, { once: true });
   const watch = () => {
     clearTimeout(timer);
+    if (connection.signal.aborted) return;
     timer = setTimeout(
       () => connection.abort(new Error(`no event or heartbeat for ${timeoutMs} ms`)),
       timeoutMs,
@@ -81,6 +86,7 @@ export async function* serverSentEvents(
     throw connection.signal.aborted && connection.signal.reason ? connection.signal.reason : error;
   } finally {
     clearTimeout(timer);
+    connection.signal.removeEventListener("abort", disarm);
     reader.cancel().catch(() => {});
   }
 }

@@ -1,6 +1,6 @@
 // @keel/client against a real `keel serve`: a prompt followed to idle, a log connection
-// cut mid-stream (every seq still comes exactly once), an interrupt, a permission reply,
-// errors as KeelError, and a method for every operation of the contract.
+// cut mid-stream or stalled (every seq still comes exactly once), an interrupt, a
+// permission reply, errors as KeelError, and a method for every operation of the contract.
 
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
@@ -11,10 +11,14 @@ import { KeelClient, KeelError } from "../src/index.js";
 import { readUntil, scripted, settled, Server } from "./support.js";
 
 let demo: Server;
+// Stops the logs the tests leave open, which would otherwise go on reconnecting to
+// stopped servers (with backoff) and keep the process alive.
+const closing = new AbortController();
 before(async () => {
   demo = await Server.start();
 });
 after(async () => {
+  closing.abort();
   await demo.stop();
 });
 
@@ -29,7 +33,7 @@ function contiguous(seqs: number[]): void {
 test("a prompt is followed to idle with every event typed and in order", async () => {
   const client = new KeelClient(demo.url);
   const session = await client.createSession();
-  const log = client.sessionLog(session.id);
+  const log = client.sessionLog(session.id, { signal: closing.signal });
   await client.prompt(session.id, { parts: [{ type: "text", text: "What is here?" }] });
   const events = await readUntil(log, (e) => settled(e));
   contiguous(events.map((e) => e.seq));
@@ -66,7 +70,7 @@ test("a log connection cut mid-stream resumes with every seq exactly once", asyn
   };
   const client = new KeelClient(demo.url, { fetch: cutting });
   const session = await client.createSession();
-  const log = client.sessionLog(session.id, { reconnectDelayMs: 10 });
+  const log = client.sessionLog(session.id, { reconnectDelayMs: 10, signal: closing.signal });
   // Connected (the session's first event read) before the prompt, so the run's events
   // arrive live, a few per chunk, and the cut falls among them.
   const created = await readUntil(log, (e) => e.type === "session.next.created");
@@ -76,6 +80,69 @@ test("a log connection cut mid-stream resumes with every seq exactly once", asyn
   contiguous(events.map((e) => e.seq));
 });
 
+// Without the watchdog the stalled read never ends: the timeout fails the test instead.
+test("a log connection that stalls is replaced by the heartbeat watchdog", { timeout: 20_000 }, async () => {
+  let connections = 0;
+  let stalls = 0;
+  let stalledAbort: unknown;
+  // Every log connection goes through this body, which honours `init.signal` as a real
+  // one does. The first chunk of the run (an event with seq 2 or more) is lost, and that
+  // connection then stays open but silent: no bytes, no heartbeat. Only an abort ends it.
+  const stalling: typeof fetch = async (input, init) => {
+    const response = await fetch(input, init);
+    if (!String(input).includes("/log") || !response.body) return response;
+    const signal = init?.signal;
+    if (!signal) throw new Error("the log connection has no signal");
+    connections += 1;
+    const reader = response.body.getReader();
+    let stalled = false;
+    let release = () => {};
+    const body = new ReadableStream<Uint8Array>({
+      start(controller) {
+        signal.addEventListener(
+          "abort",
+          () => {
+            if (stalled) stalledAbort = signal.reason;
+            reader.cancel(signal.reason).catch(() => {});
+            controller.error(signal.reason);
+            release();
+          },
+          { once: true },
+        );
+      },
+      async pull(controller) {
+        const { value, done } = await reader.read();
+        if (signal.aborted) return; // The stream is errored already.
+        if (done) return controller.close();
+        const id = /^id: (\d+)$/m.exec(new TextDecoder().decode(value));
+        if (stalls === 0 && id && Number(id[1]) >= 2) {
+          stalls += 1;
+          stalled = true;
+          if (!signal.aborted) await new Promise<void>((resolve) => (release = resolve));
+          return;
+        }
+        controller.enqueue(value);
+      },
+      cancel(reason) {
+        return reader.cancel(reason);
+      },
+    });
+    return new Response(body, { status: response.status, headers: response.headers });
+  };
+  const client = new KeelClient(demo.url, { fetch: stalling });
+  const session = await client.createSession();
+  const log = client.sessionLog(session.id, { heartbeatTimeoutMs: 300, reconnectDelayMs: 10, signal: closing.signal });
+  const created = await readUntil(log, (e) => e.type === "session.next.created");
+  await client.prompt(session.id, { parts: [{ type: "text", text: "What is here?" }] });
+  const events = [...created, ...(await readUntil(log, (e) => settled(e)))];
+  assert.equal(stalls, 1, "a connection stalled in the run");
+  assert.ok(stalledAbort instanceof Error, `the stalled connection was aborted (${String(stalledAbort)})`);
+  assert.match(stalledAbort.message, /no event or heartbeat/, "by the watchdog");
+  assert.ok(connections >= 2, `the stalled connection was replaced (${connections} connections)`);
+  contiguous(events.map((e) => e.seq));
+  assert.ok(settled(events.at(-1)!, "succeeded"), JSON.stringify(events.at(-1)));
+});
+
 test("an interrupt stops a running step and the execution settles interrupted", async () => {
   const server = await Server.start(
     scripted([{ items: [{ type: "text", text: "Thinking." }, { type: "delay", ms: 60000 }] }]),
@@ -83,7 +150,7 @@ test("an interrupt stops a running step and the execution settles interrupted", 
   try {
     const client = new KeelClient(server.url);
     const session = await client.createSession();
-    const log = client.sessionLog(session.id);
+    const log = client.sessionLog(session.id, { signal: closing.signal });
     await client.prompt(session.id, { parts: [{ type: "text", text: "Take your time." }] });
     await readUntil(log, (e) => e.type === "session.next.step.started");
     const answer = await client.interrupt(session.id);
@@ -112,7 +179,7 @@ test("a permission request is answered and the call runs", async () => {
     await client.prompt(session.id, { parts: [{ type: "text", text: "Run it." }] });
     let asked = 0;
     const events = await readUntil(
-      client.sessionLog(session.id),
+      client.sessionLog(session.id, { signal: closing.signal }),
       (e) => settled(e, "succeeded"),
       async (e) => {
         if (e.type !== "session.next.permission.requested") return;

@@ -71,3 +71,20 @@ test("a silent stream is aborted by the watchdog with the reason", async () => {
   assert.match(String(connection.signal.reason), /no event or heartbeat for 50 ms/);
   void reading.catch(() => {});
 });
+
+test("a connection aborted while its reader waits at a message leaves no watchdog armed", async () => {
+  const timers = () => process.getActiveResourcesInfo().filter((kind) => kind === "Timeout").length;
+  const before = timers();
+  const body = new ReadableStream<Uint8Array>({
+    start(controller) {
+      controller.enqueue(new TextEncoder().encode("data: 1\n\n"));
+    },
+  });
+  const connection = new AbortController();
+  const messages = serverSentEvents(body, connection, 60_000);
+  assert.equal((await messages.next()).value?.data, "1");
+  assert.equal(timers(), before + 1, "the watchdog is armed while the stream is read");
+  // The reader stops at the message, as a log whose consumer went away does.
+  connection.abort(new Error("stopped"));
+  assert.equal(timers(), before, "aborting the connection disarmed it");
+});

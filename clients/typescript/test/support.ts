@@ -2,17 +2,28 @@
 // workspace's target/debug/keel), in a temporary directory, on a free loopback port.
 
 import { spawn, type ChildProcess } from "node:child_process";
-import { mkdtempSync, mkdirSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdtempSync, mkdirSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
 
 import type { Envelope, KeelClient, LogItem } from "../src/index.js";
 
-const root = fileURLToPath(new URL("../../../../", import.meta.url));
+/** The workspace root: the nearest directory above this module holding Cargo.lock (the
+ * module is compiled to different depths by the client's and the console's builds). */
+function workspaceRoot(): string {
+  let directory = dirname(fileURLToPath(import.meta.url));
+  while (!existsSync(join(directory, "Cargo.lock"))) {
+    const parent = dirname(directory);
+    if (parent === directory) throw new Error("no Cargo.lock above the tests: set KEEL_BINARY");
+    directory = parent;
+  }
+  return directory;
+}
 
-export const keelBinary = process.env.KEEL_BINARY ?? join(root, "target/debug/keel");
+
+export const keelBinary = process.env.KEEL_BINARY ?? join(workspaceRoot(), "target/debug/keel");
 
 export class Server {
   readonly url: string;
