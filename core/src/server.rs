@@ -2,6 +2,7 @@
 //! token, body limit, and errors as `{"error": {"type", "message"}}`.
 
 mod auth;
+mod console;
 pub mod cors;
 mod error;
 mod extract;
@@ -65,7 +66,7 @@ impl Default for Limits {
 
 /// Every route.
 pub fn router(state: AppState, limits: &Limits) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/api/health", get(routes::health))
         .route("/api/ready", get(routes::ready))
         .route("/api/login", post(auth::login))
@@ -101,7 +102,8 @@ pub fn router(state: AppState, limits: &Limits) -> Router {
         .route("/api/nodes", get(routes::nodes))
         .route("/metrics", get(routes::metrics))
         .layer(axum::middleware::from_fn(in_request_span))
-        .route("/openapi.json", get(routes::openapi))
+        .route("/openapi.json", get(routes::openapi));
+    console::routes(router)
         .fallback(routes::not_found)
         .layer(middleware::from_fn_with_state(
             state.clone(),

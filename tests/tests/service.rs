@@ -939,3 +939,47 @@ async fn cross_origin_calls_are_allowed_only_from_the_listed_origins() {
     let stderr = String::from_utf8_lossy(&wildcard.stderr);
     assert!(stderr.contains("no wildcard"), "{stderr}");
 }
+
+#[tokio::test]
+async fn the_console_is_served_without_the_token_under_a_strict_policy() {
+    let server = Server::start(&["--token", "s3cret"]);
+    let http = reqwest::Client::new();
+    let url = |path: &str| format!("{}{path}", server.base_url);
+    for (path, mime, marker) in [
+        ("/", "text/html", "/console/console.js"),
+        ("/console/console.js", "text/javascript", "keel.token"),
+        ("/console/console.css", "text/css", ".tool-call"),
+    ] {
+        let answer = http.get(url(path)).send().await.unwrap();
+        assert_eq!(answer.status(), 200, "{path}");
+        let headers = answer.headers().clone();
+        let content_type = headers["content-type"].to_str().unwrap();
+        assert!(content_type.starts_with(mime), "{path}: {content_type}");
+        let policy = headers["content-security-policy"].to_str().unwrap();
+        for directive in [
+            "default-src 'none'",
+            "script-src 'self'",
+            "connect-src 'self'",
+            "frame-ancestors 'none'",
+        ] {
+            assert!(
+                policy.contains(directive),
+                "{path}: {directive} in {policy}"
+            );
+        }
+        assert_eq!(headers["x-content-type-options"], "nosniff");
+        assert!(answer.text().await.unwrap().contains(marker), "{path}");
+    }
+    // Only the console's own files are open: the API and other paths still need the token.
+    for path in [
+        "/console/",
+        "/console/other.js",
+        "/index.html",
+        "/api/session",
+    ] {
+        let answer = http.get(url(path)).send().await.unwrap();
+        assert_eq!(answer.status(), 401, "{path}");
+    }
+    let posted = http.post(url("/")).send().await.unwrap();
+    assert_eq!(posted.status(), 405, "the console is read-only");
+}

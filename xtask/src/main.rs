@@ -1,7 +1,7 @@
 //! Keel's project tasks, run as `cargo xtask <task>`.
 //!
-//! - `regenerate`: writes every generated file (contracts, the Rust client's endpoint layer
-//!   and the TypeScript client's types).
+//! - `regenerate`: writes every generated file (contracts, the Rust client's endpoint layer,
+//!   the TypeScript client's types and the web console's build).
 //! - `check`: fails, naming each file, when a generated file is stale, when the catalog and
 //!   `contracts/events/` disagree, or when a published event version's schema changed.
 //! - `bench [--quick] [--postgres] [--only store|runner|server]`: runs the benchmarks, prints a
@@ -12,6 +12,7 @@
 //!   random moments under load and checks that nothing was lost or run twice.
 
 mod bench;
+mod console;
 mod crash;
 mod published;
 mod test;
@@ -90,7 +91,22 @@ fn regenerate(root: &Path) -> Result<()> {
         }
         None => bail!("{}; the other files are written", typescript::INSTALL),
     }
-    println!("{} generated files, {changed} changed", files.len() + 1);
+    // The console bundles the client's sources, so it is built after their types.
+    let Some(built) = console::build(root)? else {
+        bail!("{}; the other files are written", console::INSTALL);
+    };
+    for path in console::stale(root, &built) {
+        let name = path.rsplit('/').next().unwrap_or(&path);
+        let contents = &built.iter().find(|(n, _)| *n == name).context("built")?.1;
+        fs::create_dir_all(root.join(console::DIST))?;
+        fs::write(root.join(&path), contents).with_context(|| format!("writing {path}"))?;
+        println!("wrote {path}");
+        changed += 1;
+    }
+    println!(
+        "{} generated files, {changed} changed",
+        files.len() + 1 + built.len()
+    );
     Ok(())
 }
 
@@ -176,6 +192,26 @@ fn run_check(root: &Path) -> Result<()> {
             });
         }
         None => println!("note: {}; its types were not checked", typescript::INSTALL),
+    }
+    match console::build(root)? {
+        Some(built) => {
+            checked += built.len();
+            problems.extend(console::stale(root, &built).into_iter().map(|path| {
+                check::Problem {
+                    path,
+                    message: "stale: it differs from a fresh build of console/; run \
+                              `cargo xtask regenerate` and commit the result"
+                        .into(),
+                }
+            }));
+        }
+        None if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            problems.push(check::Problem {
+                path: console::PACKAGE.into(),
+                message: format!("{} (CI must check the console's build)", console::INSTALL),
+            });
+        }
+        None => println!("note: {}; its build was not checked", console::INSTALL),
     }
     if problems.is_empty() {
         println!("contracts are up to date ({checked} generated files)");

@@ -2,9 +2,11 @@
 //!
 //! `cargo test --workspace` first; then the suites that need a feature the workspace
 //! build leaves off (the OpenTelemetry export, feature `otlp`), each built with it; then
-//! the TypeScript client's tests (`npm test` in `clients/typescript`, against the `keel`
-//! binary just built), which need Node 20+ and `npm ci` there: without them the task
-//! says the TypeScript tests were skipped, and fails in CI. Extra arguments go to every
+//! the Node suites against the `keel` binary just built: the TypeScript client's
+//! (`npm test` in `clients/typescript`) and the web console's in Chromium (`npm test` in
+//! `console`). They need Node 20+ and `npm ci` in each package (the console's also a
+//! Chromium, `/usr/bin/chromium` or KEEL_CHROMIUM): without them the task says which
+//! tests were skipped, and fails in CI. Extra arguments go to every
 //! `cargo test` (for example `-- --nocapture`). The output of each run is passed through
 //! as it comes; the first failure stops the task with its status.
 
@@ -43,13 +45,37 @@ pub fn run(root: &Path, extra: &[String]) -> Result<()> {
             bail!("the tests of {what} failed ({status})");
         }
     }
-    typescript(root, &cargo)
+    let suites = [
+        (
+            "the TypeScript client",
+            crate::typescript::PACKAGE,
+            crate::typescript::INSTALL,
+        ),
+        (
+            "the web console (in Chromium)",
+            crate::console::PACKAGE,
+            crate::console::INSTALL,
+        ),
+    ];
+    let mut built = false;
+    for (what, package, install) in suites {
+        node_suite(root, &cargo, &mut built, what, package, install)?;
+    }
+    Ok(())
 }
 
-/// `npm test` in the TypeScript client, against a freshly built `keel`.
-fn typescript(root: &Path, cargo: &str) -> Result<()> {
-    eprintln!("\n=== cargo xtask test: the TypeScript client");
-    let package = root.join(crate::typescript::PACKAGE);
+/// `npm test` in the Node package `package`, against a freshly built `keel` (built once,
+/// on the first suite that runs).
+fn node_suite(
+    root: &Path,
+    cargo: &str,
+    built: &mut bool,
+    what: &str,
+    package: &str,
+    install: &str,
+) -> Result<()> {
+    eprintln!("\n=== cargo xtask test: {what}");
+    let package = root.join(package);
     let node = Command::new("node").arg("--version").output();
     let missing = match &node {
         Err(_) => Some("Node is not installed".to_owned()),
@@ -57,22 +83,25 @@ fn typescript(root: &Path, cargo: &str) -> Result<()> {
             "Node {} is older than 20",
             String::from_utf8_lossy(&out.stdout).trim()
         )),
-        Ok(_) if !package.join("node_modules").exists() => Some(crate::typescript::INSTALL.into()),
+        Ok(_) if !package.join("node_modules").exists() => Some(install.to_owned()),
         Ok(_) => None,
     };
     if let Some(why) = missing {
         if std::env::var("CI").is_ok_and(|v| v == "true") {
-            bail!("the TypeScript client's tests cannot run: {why}");
+            bail!("the tests of {what} cannot run: {why}");
         }
-        eprintln!("note: the TypeScript client's tests were SKIPPED: {why}");
+        eprintln!("note: the tests of {what} were SKIPPED: {why}");
         return Ok(());
     }
-    let built = Command::new(cargo)
-        .current_dir(root)
-        .args(["build", "--package", "keel-core", "--bin", "keel"])
-        .status()?;
-    if !built.success() {
-        bail!("building keel for the TypeScript tests failed ({built})");
+    if !*built {
+        let status = Command::new(cargo)
+            .current_dir(root)
+            .args(["build", "--package", "keel-core", "--bin", "keel"])
+            .status()?;
+        if !status.success() {
+            bail!("building keel for the Node tests failed ({status})");
+        }
+        *built = true;
     }
     let status = Command::new("npm")
         .current_dir(&package)
@@ -80,7 +109,7 @@ fn typescript(root: &Path, cargo: &str) -> Result<()> {
         .env("KEEL_BINARY", root.join("target/debug/keel"))
         .status()?;
     if !status.success() {
-        bail!("the tests of the TypeScript client failed ({status})");
+        bail!("the tests of {what} failed ({status})");
     }
     Ok(())
 }

@@ -25,8 +25,12 @@ use super::{ApiError, AppState};
 /// The read cookie's name.
 pub const COOKIE_NAME: &str = "keel_read";
 
-/// Paths served without the token: the probes, and the login that checks it itself.
-const PUBLIC: [&str; 4] = ["/api/health", "/api/ready", "/api/login", "/api/logout"];
+/// Paths served without the token: the probes, the login that checks it itself, and the
+/// console's page and assets, which hold no data (the page asks for the token).
+fn public(path: &str) -> bool {
+    ["/api/health", "/api/ready", "/api/login", "/api/logout"].contains(&path)
+        || super::console::PATHS.contains(&path)
+}
 
 /// How many requests each peer address sent with a missing or wrong token.
 #[derive(Debug, Default)]
@@ -61,7 +65,7 @@ pub(super) async fn authorize(
     let Some(token) = &state.token else {
         return next.run(request).await;
     };
-    if PUBLIC.contains(&request.uri().path()) {
+    if public(request.uri().path()) {
         return next.run(request).await;
     }
     let presented = request
