@@ -19,8 +19,11 @@ const FILES: [&str; 3] = ["index.html", "console.css", "console.js"];
 /// What to tell someone whose checkout has no build tools.
 pub const INSTALL: &str = "the console's build tools are not installed: run `npm ci` in console";
 
-/// A fresh build's files (name and contents), or `None` when the tools are not installed.
-pub fn build(root: &Path) -> Result<Option<Vec<(&'static str, Vec<u8>)>>> {
+/// A build's files: name and contents.
+pub type Built = Vec<(&'static str, Vec<u8>)>;
+
+/// A fresh build's files, or `None` when the tools are not installed.
+pub fn build(root: &Path) -> Result<Option<Built>> {
     let package = root.join(PACKAGE);
     if !package.join("node_modules/esbuild").exists() {
         return Ok(None);
@@ -51,7 +54,7 @@ pub fn build(root: &Path) -> Result<Option<Vec<(&'static str, Vec<u8>)>>> {
 }
 
 /// The committed files that differ from `built` (missing ones included).
-pub fn stale(root: &Path, built: &[(&'static str, Vec<u8>)]) -> Vec<String> {
+pub fn stale(root: &Path, built: &Built) -> Vec<String> {
     built
         .iter()
         .filter(|(name, contents)| {
