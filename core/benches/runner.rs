@@ -37,8 +37,8 @@ struct Plan {
     step_sessions: usize,
     /// Text-and-read steps per session of the per-step benchmark.
     steps_per_session: usize,
-    /// Write steps of the long run.
-    long_steps: usize,
+    /// Write steps of the long runs, one figure each (`--long-steps 100,1000`).
+    long_steps: Vec<usize>,
     long_runs: usize,
     /// Abandoned sessions recovered, one figure each.
     recoveries: Vec<usize>,
@@ -384,12 +384,12 @@ async fn recovery(backend: Backend, count: usize) -> (f64, f64) {
 
 fn main() {
     let (quick, postgres) = flags();
-    let plan = if quick {
+    let mut plan = if quick {
         Plan {
             runs: 3,
             step_sessions: 3,
             steps_per_session: 20,
-            long_steps: 200,
+            long_steps: vec![200],
             long_runs: 1,
             recoveries: vec![1_000],
             recovery_runs: 1,
@@ -399,7 +399,7 @@ fn main() {
             runs: 5,
             step_sessions: 10,
             steps_per_session: 20,
-            long_steps: 1_000,
+            long_steps: vec![100, 1_000, 10_000],
             long_runs: 3,
             recoveries: vec![1_000, 10_000],
             recovery_runs: 3,
@@ -407,6 +407,16 @@ fn main() {
     };
     // `--only steps|long|recovery` runs one part, for profiling it.
     let only = option("--only");
+    if let Some(list) = option("--long-steps") {
+        plan.long_steps = list
+            .split(',')
+            .map(|n| {
+                n.trim()
+                    .parse()
+                    .expect("--long-steps takes numbers, e.g. 100,1000")
+            })
+            .collect();
+    }
     let wanted = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let runtime = runtime();
     for backend in Backend::chosen(postgres) {
@@ -446,17 +456,19 @@ fn main() {
             break;
         }
 
-        let per_step: Vec<f64> = (0..plan.long_runs)
-            .map(|_| runtime.block_on(long_run(backend, plan.long_steps)))
-            .collect();
-        report(
-            &format!("{}-step run, one write call per step", plan.long_steps),
-            median(&per_step),
-            "ms/step",
-            backend,
-            plan.long_runs,
-            "",
-        );
+        for &steps in &plan.long_steps {
+            let per_step: Vec<f64> = (0..plan.long_runs)
+                .map(|_| runtime.block_on(long_run(backend, steps)))
+                .collect();
+            report(
+                &format!("{steps}-step run, one write call per step"),
+                median(&per_step),
+                "ms/step",
+                backend,
+                plan.long_runs,
+                "",
+            );
+        }
     }
     // Recovery is measured at Keel's default durability (and on PostgreSQL when asked).
     let mut backends = vec![Backend::Sqlite(store::Synchronous::Full)];

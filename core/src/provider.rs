@@ -89,6 +89,117 @@ impl Turn {
     }
 }
 
+/// A request's turns, as shared blocks: the turns of a long session's settled history are
+/// built once and shared by every later request (the runner's turn cache), so building a
+/// request costs the same at step 10,000 as at step 10, and a block carries its size so
+/// [`Request::approximate_chars`] does not walk the history either.
+#[derive(Clone, Default)]
+pub struct Turns {
+    blocks: Vec<Arc<TurnBlock>>,
+}
+
+/// Consecutive turns with their size, built once.
+#[derive(Debug, PartialEq)]
+pub struct TurnBlock {
+    turns: Vec<Turn>,
+    chars: usize,
+    assistant: usize,
+}
+
+impl TurnBlock {
+    pub fn new(turns: Vec<Turn>) -> Self {
+        Self {
+            chars: turns.iter().map(Turn::approximate_chars).sum(),
+            assistant: turns
+                .iter()
+                .filter(|t| matches!(t, Turn::Assistant { .. }))
+                .count(),
+            turns,
+        }
+    }
+
+    pub fn turns(&self) -> &[Turn] {
+        &self.turns
+    }
+}
+
+impl Turns {
+    /// Turns made of `blocks`, in order.
+    pub fn from_blocks(blocks: Vec<Arc<TurnBlock>>) -> Self {
+        Self { blocks }
+    }
+
+    /// The blocks, shared with the cache they came from.
+    pub fn blocks(&self) -> &[Arc<TurnBlock>] {
+        &self.blocks
+    }
+
+    /// Every turn, in order.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Turn> + Clone {
+        self.blocks.iter().flat_map(|b| b.turns.iter())
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.iter().map(|b| b.turns.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.iter().all(|b| b.turns.is_empty())
+    }
+
+    pub fn get(&self, index: usize) -> Option<&Turn> {
+        self.iter().nth(index)
+    }
+
+    pub fn first(&self) -> Option<&Turn> {
+        self.iter().next()
+    }
+
+    pub fn last(&self) -> Option<&Turn> {
+        self.iter().next_back()
+    }
+}
+
+impl From<Vec<Turn>> for Turns {
+    fn from(turns: Vec<Turn>) -> Self {
+        Self::from_blocks(vec![Arc::new(TurnBlock::new(turns))])
+    }
+}
+
+impl FromIterator<Turn> for Turns {
+    fn from_iter<I: IntoIterator<Item = Turn>>(iter: I) -> Self {
+        iter.into_iter().collect::<Vec<_>>().into()
+    }
+}
+
+impl<'a> IntoIterator for &'a Turns {
+    type Item = &'a Turn;
+    type IntoIter = Box<dyn Iterator<Item = &'a Turn> + 'a>;
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+impl std::ops::Index<usize> for Turns {
+    type Output = Turn;
+    fn index(&self, index: usize) -> &Turn {
+        self.get(index)
+            .unwrap_or_else(|| panic!("turn {index} of {}", self.len()))
+    }
+}
+
+impl PartialEq for Turns {
+    fn eq(&self, other: &Self) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+impl std::fmt::Debug for Turns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
 /// The length of `value` as compact JSON, counted without building the string.
 pub(crate) fn json_len(value: &Value) -> usize {
     struct Count(usize);
@@ -140,7 +251,7 @@ pub struct ToolResult {
 pub struct Request {
     pub model: ModelRef,
     pub system: String,
-    pub turns: Vec<Turn>,
+    pub turns: Turns,
     /// Shared: the same definitions go with every request.
     pub tools: Arc<[ToolSpec]>,
     pub tool_choice: ToolChoice,
@@ -155,20 +266,12 @@ impl Request {
     /// characters make a token; for estimates only (automatic compaction, the scripted
     /// model's usage), computed without building the request's text.
     pub fn approximate_chars(&self) -> usize {
-        self.system.len()
-            + self
-                .turns
-                .iter()
-                .map(Turn::approximate_chars)
-                .sum::<usize>()
+        self.system.len() + self.turns.blocks.iter().map(|b| b.chars).sum::<usize>()
     }
 
     /// How many assistant turns the transcript holds.
     pub fn assistant_turns(&self) -> usize {
-        self.turns
-            .iter()
-            .filter(|t| matches!(t, Turn::Assistant { .. }))
-            .count()
+        self.turns.blocks.iter().map(|b| b.assistant).sum()
     }
 }
 

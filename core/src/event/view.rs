@@ -122,6 +122,9 @@ pub fn messages(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Mess
 #[derive(Debug, Default)]
 pub struct Transcript {
     messages: Vec<Message>,
+    /// Each message's seq and the seq of the last event that wrote it (`updated_seq`),
+    /// in the order of `messages`: what changed since a caller last looked.
+    versions: Vec<(u64, i64)>,
     /// Each message's position in `messages`, by id.
     index: HashMap<String, usize>,
     /// The seq of the last message held.
@@ -134,6 +137,11 @@ impl Transcript {
     /// The messages, in seq order, as of the last [`Transcript::refresh`].
     pub fn messages(&self) -> &[Message] {
         &self.messages
+    }
+
+    /// Each message's seq and `updated_seq`, in the order of [`Transcript::messages`].
+    pub fn versions(&self) -> &[(u64, i64)] {
+        &self.versions
     }
 
     /// Reads the messages of `session_id` written since the last refresh. A session's
@@ -155,11 +163,16 @@ impl Transcript {
         for row in rows {
             let message = row.message()?;
             self.through = self.through.max(row.updated_seq);
+            let version = (u64::try_from(row.seq).unwrap_or_default(), row.updated_seq);
             match self.index.get(&row.id) {
-                Some(&position) => self.messages[position] = message,
+                Some(&position) => {
+                    self.messages[position] = message;
+                    self.versions[position] = version;
+                }
                 None if row.seq > self.last_seq => {
                     self.index.insert(row.id, self.messages.len());
                     self.messages.push(message);
+                    self.versions.push(version);
                     self.last_seq = row.seq;
                 }
                 // Not expected (see above); reading everything again keeps the order right.

@@ -142,7 +142,7 @@ mod tests {
                 id: "llama".into(),
             },
             system: String::new(),
-            turns: Vec::new(),
+            turns: Default::default(),
             tools: std::sync::Arc::from([]),
             tool_choice: ToolChoice::Auto,
             max_output_tokens: Some(100),

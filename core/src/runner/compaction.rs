@@ -125,7 +125,7 @@ impl Engine {
             .into_iter()
             .filter(|m| message_seq(m) < boundary_seq)
             .collect();
-        let mut turns = context::turns(&before);
+        let mut turns = context::turn_list(&before);
         if turns.is_empty() {
             let error = ErrorInfo::new("compaction.empty", "there is no history to summarise");
             self.end_failed(held, open_step, error).await?;
@@ -141,7 +141,7 @@ impl Engine {
         let request = provider::Request {
             model: info.model.clone(),
             system: SUMMARY_SYSTEM.into(),
-            turns,
+            turns: turns.into(),
             tools: self.specs(&info.agent),
             temperature: None,
             tool_choice: ToolChoice::None,

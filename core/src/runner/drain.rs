@@ -17,7 +17,7 @@ use super::engine::{interrupt_and_release, lock};
 use super::fence::Held;
 use super::step::Parked;
 use super::translate::Launch;
-use super::{Engine, Error, compaction, shutdown, step};
+use super::{Engine, Error, compaction, context, shutdown, step};
 use crate::coordinator::Request;
 use crate::event::log;
 use crate::event::view::{self, Transcript};
@@ -156,6 +156,8 @@ impl Engine {
         // Held across steps and brought up to date at each boundary, in the boundary's
         // own transaction: a step reads only what changed, not the whole history.
         let mut transcript = Transcript::default();
+        // The transcript's turns, converted a block at a time and shared by the requests.
+        let mut turns = context::TurnCache::default();
         // The end of the step before this boundary, committed with the boundary's work.
         let mut ended: Option<step::Ended> = None;
         // The session's directory, whose instruction files are read before each boundary.
@@ -369,7 +371,12 @@ impl Engine {
                 system,
             };
             let step = self
-                .step(&held, start, transcript.messages(), &cancel)
+                .step(
+                    &held,
+                    start,
+                    turns.turns(transcript.messages(), transcript.versions()),
+                    &cancel,
+                )
                 .await?;
             boundary = step.boundary_after();
             ended = Some(step);

@@ -33,7 +33,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
-use keel_schema::api::Message;
 use keel_schema::event::{DurableEvent, payload};
 use keel_schema::id::{CallId, MessageId};
 use keel_schema::types::{
@@ -272,20 +271,20 @@ pub(super) struct Step<'a> {
 }
 
 impl Engine {
-    /// Runs one step of `held`'s session. `messages` is the transcript to send, read at
-    /// the boundary before it, like `start`. A step that failed or was interrupted has
+    /// Runs one step of `held`'s session. `turns` is the transcript to send, read at the
+    /// boundary before it, like `start`. A step that failed or was interrupted has
     /// written its end; one that ended returns it unwritten.
     pub(super) async fn step(
         &self,
         held: &Held,
         start: Start,
-        messages: &[Message],
+        turns: provider::Turns,
         cancel: &CancellationToken,
     ) -> Result<Ended, Error> {
         use tracing::Instrument as _;
         let span = tracing::info_span!("step", number = start.number, model = %start.info.model);
         async {
-            let step = Step::start(self, held, start, messages, cancel).await?;
+            let step = Step::start(self, held, start, turns, cancel).await?;
             self.drive(step).await
         }
         .instrument(span)
@@ -345,7 +344,7 @@ impl<'a> Step<'a> {
         engine: &'a Engine,
         held: &'a Held,
         start: Start,
-        messages: &[Message],
+        turns: provider::Turns,
         cancel: &'a CancellationToken,
     ) -> Result<Self, Error> {
         let Start {
@@ -367,7 +366,7 @@ impl<'a> Step<'a> {
         let mut request = provider::Request {
             model: info.model.clone(),
             system: system.unwrap_or_else(|| agent.system.clone()),
-            turns: context::turns(messages),
+            turns,
             tools,
             temperature: agent.temperature,
             tool_choice: if last_step {
@@ -452,7 +451,7 @@ impl<'a> Step<'a> {
         let request = provider::Request {
             model: info.model.clone(),
             system: agent.system.clone(),
-            turns: Vec::new(),
+            turns: provider::Turns::default(),
             tools: engine.specs(&info.agent),
             temperature: agent.temperature,
             tool_choice: ToolChoice::Auto,

@@ -399,7 +399,8 @@ fn request() -> Request {
         system: "Be brief.".into(),
         turns: vec![Turn::User {
             parts: vec![Part::Text { text: "hi".into() }],
-        }],
+        }]
+        .into(),
         tools: std::sync::Arc::from([]),
         tool_choice: ToolChoice::Auto,
         max_output_tokens: Some(256),
@@ -625,7 +626,8 @@ async fn live_anthropic_answers() {
         parts: vec![Part::Text {
             text: "Reply with the single word: pong".into(),
         }],
-    }];
+    }]
+    .into();
     let events: Vec<Event> = adapter
         .stream(&live)
         .map(|e| e.expect("Anthropic answers"))

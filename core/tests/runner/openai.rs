@@ -412,7 +412,8 @@ fn request() -> Request {
         system: "Be brief.".into(),
         turns: vec![Turn::User {
             parts: vec![Part::Text { text: "hi".into() }],
-        }],
+        }]
+        .into(),
         tools: std::sync::Arc::from([]),
         tool_choice: ToolChoice::Auto,
         max_output_tokens: None,

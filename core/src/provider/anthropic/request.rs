@@ -14,7 +14,7 @@ use keel_schema::types::{Part, ToolContent};
 use serde_json::{Value, json};
 
 use super::DEFAULT_MAX_TOKENS;
-use crate::provider::{AssistantItem, Request, ToolChoice, ToolResult, Turn};
+use crate::provider::{AssistantItem, Request, ToolChoice, ToolResult, Turn, Turns};
 
 /// The body of `POST /v1/messages` for `request`; `thinking_budget` turns on extended
 /// thinking, `caching` marks two cache breakpoints: one on the system prompt (which caches
@@ -89,7 +89,7 @@ pub(super) fn body(request: &Request, thinking_budget: Option<u32>, caching: boo
 }
 
 /// The transcript as alternating messages.
-fn messages(turns: &[Turn]) -> Value {
+fn messages(turns: &Turns) -> Value {
     let results: HashMap<&str, &ToolResult> = turns
         .iter()
         .filter_map(|turn| match turn {

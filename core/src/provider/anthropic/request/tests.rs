@@ -10,7 +10,7 @@ fn request(turns: Vec<Turn>) -> Request {
             id: "claude-test".into(),
         },
         system: "Be brief.".into(),
-        turns,
+        turns: turns.into(),
         tools: vec![ToolSpec {
             name: "read".into(),
             description: "Reads a file.".into(),
