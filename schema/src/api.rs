@@ -353,6 +353,7 @@ pub struct MessageList {
 pub struct LogQuery {
     /// Send durable events with seq greater than this (default 0). `Last-Event-ID` wins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maximum" = u64::MAX))]
     pub after: Option<u64>,
     /// Keep the stream open for live events after `synced` (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
