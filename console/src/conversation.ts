@@ -290,7 +290,7 @@ export class Conversation {
       } else if (/^image\/(png|jpeg|gif|webp)$/.test(content.mime)) {
         tool.body.append(h("img", { class: "media", alt: "tool output", src: `data:${content.mime};base64,${content.data}` }));
       } else {
-        tool.body.append(h("div", { class: "file" }, `${content.mime} (${count(content.data.length)} bytes, base64)`));
+        tool.body.append(h("div", { class: "file" }, `${content.mime}, ${count(Math.floor((content.data.length * 3) / 4))} bytes`));
       }
     }
   }

@@ -38,8 +38,3 @@ export function button(label: string, action: () => void, attributes: Attributes
 export function count(value: number): string {
   return value.toLocaleString("en-US");
 }
-
-/** A time of day for people, from milliseconds since the epoch. */
-export function clock(ms: number): string {
-  return new Date(ms).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" });
-}
