@@ -4,8 +4,9 @@
 //!   the TypeScript client's types and the web console's build).
 //! - `check`: fails, naming each file, when a generated file is stale, when the catalog and
 //!   `contracts/events/` disagree, or when a published event version's schema changed.
-//! - `bench [--quick] [--postgres] [--only store|runner|server]`: runs the benchmarks, prints a
-//!   table, writes `target/bench/latest.json`.
+//! - `bench [--quick] [--postgres] [--peers] [--only store|runner|server|peers]`: runs the
+//!   benchmarks (`--peers`: also salvor and opencode on the same workload, installed on
+//!   demand under `target/peers/`), prints a table, writes `target/bench/latest.json`.
 //! - `test [ARGS]`: every test, the workspace's and those behind optional features (see
 //!   `test`); the README's test command.
 //! - `crash [--iterations N] [--seed S] [--sessions M]`: kills a real `keel serve` at
@@ -26,7 +27,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use keel_codegen::{EVENTS_DIR, File, check, generate};
 
-const USAGE: &str = "usage: cargo xtask <regenerate|check|test [ARGS]|bench [--quick] [--postgres]|crash [--iterations N] [--seed S] [--sessions M]>";
+const USAGE: &str = "usage: cargo xtask <regenerate|check|test [ARGS]|bench [--quick] [--postgres] [--peers]|crash [--iterations N] [--seed S] [--sessions M]>";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

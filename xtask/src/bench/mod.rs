@@ -1,5 +1,6 @@
-//! `cargo xtask bench [--quick] [--postgres] [--only store|runner|server]`: runs Keel's
-//! benchmarks, prints one table, and writes it as JSON to `target/bench/latest.json`.
+//! `cargo xtask bench [--quick] [--postgres] [--peers] [--only store|runner|server|peers]`:
+//! runs Keel's benchmarks, prints one table, and writes it as JSON to
+//! `target/bench/latest.json`.
 //!
 //! Every figure comes from a benchmark binary built (optimized) and run by `cargo bench`,
 //! which prints one `BENCH {json}` line per figure:
@@ -10,6 +11,10 @@
 //!
 //! Figures are medians over several runs; ratios between figures (Keel against the raw
 //! driver) are measured in one process, so both sides see the same machine load.
+//!
+//! `--peers` adds Keel's long run against peer systems running the same workload, taking
+//! turns in one run (see `peers`); they are installed on demand under `target/peers/`, so
+//! the option is for a run by hand, not for CI. `--only peers` runs that comparison alone.
 
 use std::fs;
 use std::path::Path;
@@ -18,7 +23,10 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-const USAGE: &str = "usage: cargo xtask bench [--quick] [--postgres] [--only store|runner|server]";
+mod peers;
+
+const USAGE: &str =
+    "usage: cargo xtask bench [--quick] [--postgres] [--peers] [--only store|runner|server|peers]";
 
 /// The in-process benchmark binaries: (package, bench target).
 const BENCHES: &[(&str, &str)] = &[
@@ -30,6 +38,7 @@ const BENCHES: &[(&str, &str)] = &[
 struct Options {
     quick: bool,
     postgres: bool,
+    peers: bool,
     only: Option<String>,
 }
 
@@ -37,6 +46,7 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut options = Options {
         quick: false,
         postgres: false,
+        peers: false,
         only: None,
     };
     let mut args = args.iter();
@@ -44,11 +54,13 @@ fn parse(args: &[String]) -> Result<Options> {
         match arg.as_str() {
             "--quick" => options.quick = true,
             "--postgres" => options.postgres = true,
+            "--peers" => options.peers = true,
             "--only" => {
                 let part = args.next().context(USAGE)?;
-                if !["store", "runner", "server"].contains(&part.as_str()) {
-                    bail!("--only takes store, runner or server, not `{part}`\n{USAGE}");
+                if !["store", "runner", "server", "peers"].contains(&part.as_str()) {
+                    bail!("--only takes store, runner, server or peers, not `{part}`\n{USAGE}");
                 }
+                options.peers |= part == "peers";
                 options.only = Some(part.clone());
             }
             other => bail!("unknown option `{other}`\n{USAGE}"),
@@ -66,6 +78,9 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
             figures.extend(in_process(root, package, bench, &options)?);
         }
     }
+    if options.peers {
+        figures.extend(peers::run(root, options.quick)?);
+    }
     if figures.is_empty() {
         bail!("the benchmarks reported no figures");
     }
@@ -73,6 +88,7 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
     let report = json!({
         "quick": options.quick,
         "postgres": options.postgres,
+        "peers": options.peers,
         "machine": machine(),
         "time_unix": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -119,8 +135,12 @@ fn in_process(root: &Path, package: &str, bench: &str, options: &Options) -> Res
     if !output.status.success() {
         bail!("the {bench} benchmark failed ({})", output.status);
     }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    stdout
+    figures_from(&output.stdout)
+}
+
+/// The figures of a benchmark binary's output: its `BENCH {json}` lines.
+fn figures_from(stdout: &[u8]) -> Result<Vec<Value>> {
+    String::from_utf8_lossy(stdout)
         .lines()
         .filter_map(|line| line.strip_prefix("BENCH "))
         .map(|json| {
@@ -141,11 +161,17 @@ fn print_table(figures: &[Value]) {
         .map(|f| {
             [
                 text(f, "figure"),
-                f["value"].to_string(),
+                // A figure that could not be measured says why instead of its settings.
+                f["note"]
+                    .as_str()
+                    .map_or_else(|| f["value"].to_string(), |_| "-".into()),
                 text(f, "unit"),
                 text(f, "backend"),
                 f["runs"].to_string(),
-                text(f, "settings"),
+                f["note"].as_str().map_or_else(
+                    || text(f, "settings"),
+                    |note| format!("not measured: {note}"),
+                ),
             ]
         })
         .collect();
