@@ -212,8 +212,10 @@ async fn step_times(backend: Backend, plan: &Plan) -> Vec<f64> {
     times
 }
 
-/// Milliseconds per step of one session running `steps` steps of one `write` call each.
-async fn long_run(backend: Backend, steps: usize) -> f64 {
+/// Milliseconds per step of one session running `steps` steps of one `write` call each,
+/// and the writer's syncs (commits that waited for the disk, and syncs of deferred ones)
+/// per step.
+async fn long_run(backend: Backend, steps: usize) -> (f64, f64) {
     let script = script(steps, |n| {
         vec![call(
             "write",
@@ -222,12 +224,17 @@ async fn long_run(backend: Backend, steps: usize) -> f64 {
     });
     let bench = Bench::new(backend, script, u32::try_from(steps + 1).unwrap()).await;
     let session = bench.prompted().await;
+    let syncs = bench.store.syncs();
     let start = Instant::now();
     bench.runner.run(session).await.unwrap();
     let elapsed = start.elapsed();
+    let syncs = bench.store.syncs() - syncs;
     let written = std::fs::read_to_string(bench.workspace.path().join("out.txt")).unwrap();
     assert_eq!(written, format!("step {}\n", steps - 1), "every step wrote");
-    elapsed.as_secs_f64() * 1000.0 / steps as f64
+    (
+        elapsed.as_secs_f64() * 1000.0 / steps as f64,
+        syncs as f64 / steps as f64,
+    )
 }
 
 /// Writes `count` sessions whose owner died mid-step: each has a prompt promoted, a claim
@@ -457,9 +464,9 @@ fn main() {
         }
 
         for &steps in &plan.long_steps {
-            let per_step: Vec<f64> = (0..plan.long_runs)
+            let (per_step, syncs): (Vec<f64>, Vec<f64>) = (0..plan.long_runs)
                 .map(|_| runtime.block_on(long_run(backend, steps)))
-                .collect();
+                .unzip();
             report(
                 &format!("{steps}-step run, one write call per step"),
                 median(&per_step),
@@ -467,6 +474,14 @@ fn main() {
                 backend,
                 plan.long_runs,
                 "",
+            );
+            report(
+                &format!("{steps}-step run, syncs per step"),
+                median(&syncs),
+                "syncs/step",
+                backend,
+                plan.long_runs,
+                "commits that waited for the disk, and syncs of deferred commits",
             );
         }
     }

@@ -18,6 +18,7 @@
 
 pub(crate) mod column;
 mod conn;
+mod deferred;
 pub(crate) mod fixed;
 mod migrate;
 pub mod schema;
@@ -33,6 +34,7 @@ use keel_schema::id::{EventId, SessionId};
 
 pub(crate) use conn::load_at_most;
 pub use conn::{Conn, Synchronous};
+pub use deferred::Durable;
 pub use url::DbUrl;
 
 use crate::clock::{SharedClock, SystemClock};
@@ -125,6 +127,9 @@ pub struct Options {
     pub clock: SharedClock,
     /// Makes chosen commits fail, for fault-injection tests.
     pub failpoint: Option<Failpoint>,
+    /// How long the writer waits, with a deferred commit not yet on disk, for a synced
+    /// commit to take it along before syncing it itself ([`Store::write_deferred`]).
+    pub flush_delay: std::time::Duration,
 }
 
 /// Decides, given the ordinal of a commit (0, 1, 2 …), whether it fails. A failed commit
@@ -147,9 +152,15 @@ impl Default for Options {
             max_batch: 256,
             clock: Arc::new(SystemClock),
             failpoint: None,
+            flush_delay: DEFAULT_FLUSH_DELAY,
         }
     }
 }
+
+/// The default [`Options::flush_delay`]: longer than a runner takes from a step's
+/// boundary to its first commit with a model that answers at once, far shorter than any
+/// real model takes to answer.
+pub const DEFAULT_FLUSH_DELAY: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// Counters of the writer's work, for benchmarks and logs.
 #[derive(Debug, Default)]
@@ -158,6 +169,9 @@ pub struct Stats {
     pub batches: AtomicU64,
     /// Writes run inside them.
     pub writes: AtomicU64,
+    /// Commits that reached the disk before answering (at SQLite's `NORMAL`: that would
+    /// have), and syncs of deferred commits.
+    pub syncs: AtomicU64,
 }
 
 /// A handle to an open store. Cheap to clone; the writer stops when the last handle goes.
@@ -170,6 +184,8 @@ struct Inner {
     url: DbUrl,
     clock: SharedClock,
     writer: writer::Handle,
+    /// Events of deferred commits not yet on disk, held back from the log's readers.
+    horizon: Arc<deferred::Horizon>,
     readers: Pool<conn::Manager>,
     stats: Arc<Stats>,
 }
@@ -214,12 +230,29 @@ impl Store {
                 message: e.to_string(),
             })?;
         let stats = Arc::new(Stats::default());
+        let horizon = Arc::new(deferred::Horizon::default());
+        // Deferring a sync is worth it only where commits wait for one: a SQLite file at
+        // `FULL` (whose write-ahead log the writer then syncs itself).
+        let wal = match &url {
+            DbUrl::Sqlite(path) if options.synchronous == Synchronous::Full => {
+                let mut wal = path.clone().into_os_string();
+                wal.push("-wal");
+                Some(std::path::PathBuf::from(wal))
+            }
+            _ => None,
+        };
+        let deferral = writer::Deferral {
+            wal,
+            horizon: horizon.clone(),
+            flush_delay: options.flush_delay,
+        };
         let writer = writer::spawn(
             connection,
             settings,
             options.max_batch,
             stats.clone(),
             options.failpoint,
+            deferral,
         )?;
         tracing::info!(%url, "store open");
         Ok(Self {
@@ -227,6 +260,7 @@ impl Store {
                 url,
                 clock: options.clock,
                 writer,
+                horizon,
                 readers,
                 stats,
             }),
@@ -251,6 +285,11 @@ impl Store {
         )
     }
 
+    /// How many times the writer waited for the disk ([`Stats::syncs`]).
+    pub fn syncs(&self) -> u64 {
+        self.inner.stats.syncs.load(Ordering::Relaxed)
+    }
+
     /// Runs `write` on the writer thread, in its own savepoint of a group-committed
     /// transaction. An `Err` rolls back this write alone. Resolves after the commit.
     ///
@@ -264,6 +303,34 @@ impl Store {
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
         self.inner.writer.submit(write).await
+    }
+
+    /// Runs `write` for `session` like [`Store::write`], but answers once it is committed,
+    /// before it is on disk: the [`Durable`] says when it gets there (see
+    /// [`deferred`](self::deferred) for what holds meanwhile). Until then the session's
+    /// events from this write on are held back from [`Store::read_log`].
+    ///
+    /// For a caller that must do something before the next commit that has to be
+    /// durable, and nothing irreversible on this one's account: a runner's step boundary,
+    /// followed by the model's request. Where commits do not wait for the disk (SQLite at
+    /// `NORMAL`) or cannot be held back from readers (PostgreSQL), it is an ordinary write.
+    pub async fn write_deferred<T, E, F>(
+        &self,
+        session: SessionId,
+        write: F,
+    ) -> Result<(T, Durable), E>
+    where
+        T: Send + 'static,
+        E: From<Error> + From<diesel::result::Error> + Send + 'static,
+        F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
+    {
+        self.inner.writer.submit_deferred(session, write).await
+    }
+
+    /// The last seq of `session` that [`Store::read_log`] shows while later events of it
+    /// wait for the disk; `None` when none do.
+    pub(crate) fn durable_limit(&self, session: SessionId) -> Option<u64> {
+        self.inner.horizon.limit(session)
     }
 
     /// Runs `read` on a pooled connection off the async runtime's threads.

@@ -384,14 +384,25 @@ impl Store {
             .await
     }
 
-    /// Reads a session's events after `after` (see [`read`]).
+    /// Reads a session's events after `after` (see [`read`]), up to the last one on disk:
+    /// events of a deferred commit not yet synced are not shown
+    /// ([`Store::write_deferred`]).
     pub async fn read_log(
         &self,
         session_id: SessionId,
         after: u64,
         limit: u32,
     ) -> Result<Vec<Envelope>, Error> {
-        self.read(move |c| read(c, session_id, after, limit)).await
+        let mut events = self
+            .read(move |c| read(c, session_id, after, limit))
+            .await?;
+        // Looked at after the read: a hold is taken before its commit makes rows visible
+        // and released only once they are on disk, so whatever the read saw past a hold
+        // still standing now is not on disk yet.
+        if let Some(limit) = self.durable_limit(session_id) {
+            events.retain(|event| event.seq <= limit);
+        }
+        Ok(events)
     }
 
     /// The seq of a session's latest event, `None` for an unknown session.

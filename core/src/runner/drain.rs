@@ -23,7 +23,7 @@ use crate::event::log;
 use crate::event::view::{self, Transcript};
 use crate::inbox::{self, Boundary, Promotion};
 use crate::request::{self, Kind};
-use crate::store::{self, Conn};
+use crate::store::{self, Conn, Durable};
 use crate::{epoch, execution, instructions};
 
 /// What a boundary's transaction decided.
@@ -192,8 +192,15 @@ impl Engine {
             let counted = step_number;
             let project = self.project_instructions(directory.as_deref()).await;
             let mut carried = Some(std::mem::take(&mut transcript));
+            // After a step that called tools another almost always follows, and nothing
+            // acts on this boundary irreversibly before that step's first commit, which
+            // must reach the disk anyway (the model's tool call, before the tool runs):
+            // the boundary commits without waiting for the disk and gets there with it
+            // (`crate::store::deferred`), one sync per tool step instead of two. Its
+            // events go out live once on disk.
+            let defer = ending.is_some() && !look_for_waits && boundary == Boundary::Step;
             let boundary_work = self
-                .fenced(&held, move |c, now| {
+                .fenced_as(&held, defer, move |c, now| {
                     // Run again after a conflict, this starts from a transcript read anew:
                     // the one held may have taken in what was rolled back.
                     let mut transcript = carried.take().unwrap_or_default();
@@ -297,6 +304,23 @@ impl Engine {
                     })
                 })
                 .await;
+            let (boundary_work, on_disk) = match boundary_work {
+                Ok((work, on_disk)) => (Ok(work), on_disk),
+                Err(error) => (Err(error), Durable::now()),
+            };
+            // Whatever does not go on to a step the boundary started waits for the disk
+            // here: a claim handed back, a step resumed, the drain's end.
+            let on_disk = match &boundary_work {
+                Ok(AtBoundary::Next {
+                    next: Some(_),
+                    started: Some(_),
+                    ..
+                }) => Some(on_disk),
+                _ => {
+                    on_disk.wait().await?;
+                    None
+                }
+            };
             let (promotion, envelopes, refreshed, info, next, started, system) = match boundary_work
             {
                 Ok(AtBoundary::Next {
@@ -340,7 +364,10 @@ impl Engine {
                 }
             };
             transcript = refreshed;
-            self.publish(&envelopes);
+            match on_disk {
+                Some(on_disk) => self.publish_when_durable(&envelopes, on_disk),
+                None => self.publish(&envelopes),
+            }
             if let Promotion::Control(input) = &promotion {
                 // The only control input is `compact`; its outcome is in its events, and
                 // a failed compaction leaves the history as it was.

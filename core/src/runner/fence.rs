@@ -20,7 +20,7 @@ use keel_schema::event::{DurableEvent, Envelope, EphemeralEnvelope, EphemeralEve
 use super::{Engine, Error, Live};
 use crate::event::log;
 use crate::execution::{self, Claim};
-use crate::store::Conn;
+use crate::store::{Conn, Durable};
 
 /// Whether this process still owns an execution, as far as it can tell without asking the
 /// database: no fenced write failed, and the lease it last renewed has not run out.
@@ -65,26 +65,44 @@ impl Engine {
     pub(super) async fn fenced<T: Send + 'static>(
         &self,
         held: &Held,
-        mut write: impl FnMut(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
+        write: impl FnMut(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
     ) -> Result<T, Error> {
+        let (value, _on_disk) = self.fenced_as(held, false, write).await?;
+        Ok(value)
+    }
+
+    /// [`Engine::fenced`]; when `deferred`, answering once committed, before the commit
+    /// is on disk ([`crate::store::Store::write_deferred`]), and the [`Durable`] says when
+    /// it is.
+    pub(super) async fn fenced_as<T: Send + 'static>(
+        &self,
+        held: &Held,
+        deferred: bool,
+        mut write: impl FnMut(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
+    ) -> Result<(T, Durable), Error> {
         if held.ownership.lost.load(Ordering::SeqCst) {
             return Err(Error::OwnershipLost(held.claim.session_id));
         }
         let clock = self.store.clock().clone();
         let lease = self.settings.lease_ms;
         let claim = held.claim;
-        let result = self
-            .store
-            .write(move |c| {
-                let now = clock.now_ms();
-                execution::check(c, now, lease, &claim)?;
-                write(c, now).map(|value| (value, now))
-            })
-            .await;
+        let fenced = move |c: &mut Conn| {
+            let now = clock.now_ms();
+            execution::check(c, now, lease, &claim)?;
+            write(c, now).map(|value| (value, now))
+        };
+        let result = if deferred {
+            self.store.write_deferred(claim.session_id, fenced).await
+        } else {
+            self.store
+                .write(fenced)
+                .await
+                .map(|written| (written, Durable::now()))
+        };
         match result {
-            Ok((value, now)) => {
+            Ok(((value, now), durable)) => {
                 held.ownership.deadline.store(now + lease, Ordering::SeqCst);
-                Ok(value)
+                Ok((value, durable))
             }
             Err(Error::OwnershipLost(session)) => {
                 held.ownership.lost.store(true, Ordering::SeqCst);
@@ -128,6 +146,17 @@ impl Engine {
         for envelope in envelopes {
             self.live.publish(Live::Durable(envelope.clone()));
         }
+    }
+
+    /// Publishes events of a deferred commit live once `durable` says they are on disk;
+    /// the session's later events wait behind them ([`super::live`]).
+    pub(super) fn publish_when_durable(&self, envelopes: &[Envelope], durable: Durable) {
+        let Some(session) = envelopes.first().map(|e| e.session_id) else {
+            return;
+        };
+        crate::metrics::committed(envelopes.iter().map(|e| &e.event));
+        let events = envelopes.iter().cloned().map(Live::Durable).collect();
+        self.live.publish_when_durable(session, events, durable);
     }
 
     /// Publishes an ephemeral event, only while this process owns the execution.

@@ -8,13 +8,20 @@
 //!
 //! Live delivery is best effort (a subscriber that falls behind is told so by its
 //! receiver); the log is the truth.
+//!
+//! Events of a deferred commit ([`crate::store::Durable`]) are published only once they
+//! are on disk, and everything published for their session meanwhile waits behind them,
+//! so a session's events still go out in order ([`Hub::publish_when_durable`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use keel_schema::event::{Envelope, EphemeralEnvelope};
 use keel_schema::id::SessionId;
 use tokio::sync::broadcast;
+
+use crate::store::Durable;
 
 /// Something published live, after its commit for durable events.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +51,22 @@ pub struct Published {
 pub struct Hub {
     all: broadcast::Sender<Live>,
     sessions: Arc<Mutex<Followed>>,
+    waiting: Arc<Waiting>,
+}
+
+/// Sessions whose events wait for a deferred commit to reach the disk.
+#[derive(Default)]
+struct Waiting {
+    /// How many sessions are in `sessions`: publishing checks it before taking the lock.
+    count: AtomicUsize,
+    sessions: Mutex<HashMap<SessionId, Queue>>,
+}
+
+/// A session's events waiting to be published, and the commits they wait for.
+#[derive(Default)]
+struct Queue {
+    events: Vec<Live>,
+    commits: VecDeque<Durable>,
 }
 
 /// The followed sessions' channels. A channel whose last follower left is dropped at
@@ -59,6 +82,7 @@ impl Default for Hub {
         Self {
             all: broadcast::channel(CAPACITY).0,
             sessions: Arc::default(),
+            waiting: Arc::default(),
         }
     }
 }
@@ -83,8 +107,89 @@ impl Hub {
             .subscribe()
     }
 
-    /// Hands `live` to every subscriber and to the followers of its session.
+    /// Hands `live` to every subscriber and to the followers of its session, after
+    /// whatever of its session waits for the disk.
     pub fn publish(&self, live: Live) {
+        if self.waiting.count.load(Ordering::Acquire) > 0 {
+            let mut waiting = lock(&self.waiting.sessions);
+            if let Some(queue) = waiting.get_mut(&session_of(&live)) {
+                queue.events.push(live);
+                return;
+            }
+        }
+        self.send(live);
+    }
+
+    /// Publishes `events`, committed by a deferred write, once `durable` says they are on
+    /// disk; their session's later events wait behind them. If the sync fails they are
+    /// not published at all: a follower finds them in the log once a later commit has
+    /// made them durable.
+    pub fn publish_when_durable(
+        &self,
+        session: SessionId,
+        events: Vec<Live>,
+        mut durable: Durable,
+    ) {
+        let mut waiting = lock(&self.waiting.sessions);
+        if let Some(queue) = waiting.get_mut(&session) {
+            queue.events.extend(events);
+            queue.commits.push_back(durable);
+            return;
+        }
+        if durable.is_durable() {
+            drop(waiting);
+            for live in events {
+                self.send(live);
+            }
+            return;
+        }
+        waiting.insert(
+            session,
+            Queue {
+                events,
+                commits: VecDeque::from([durable]),
+            },
+        );
+        self.waiting.count.fetch_add(1, Ordering::Release);
+        drop(waiting);
+        let hub = self.clone();
+        tokio::spawn(async move { hub.release_when_durable(session).await });
+    }
+
+    /// Waits for each commit `session`'s queue waits for (later commits reach the disk
+    /// no earlier than earlier ones), then publishes the queue.
+    async fn release_when_durable(&self, session: SessionId) {
+        let mut synced = true;
+        loop {
+            let durable = {
+                let mut waiting = lock(&self.waiting.sessions);
+                let Some(queue) = waiting.get_mut(&session) else {
+                    return;
+                };
+                match queue.commits.pop_front() {
+                    Some(durable) => durable,
+                    None => {
+                        // Published under the lock, so that nothing published meanwhile
+                        // overtakes the queue.
+                        let queue = waiting.remove(&session).unwrap_or_default();
+                        self.waiting.count.fetch_sub(1, Ordering::Release);
+                        for live in queue.events {
+                            if synced || matches!(live, Live::Ephemeral(_)) {
+                                self.send(live);
+                            }
+                        }
+                        return;
+                    }
+                }
+            };
+            if let Err(e) = durable.wait().await {
+                tracing::error!(%session, error = %e, "events not on disk are not published");
+                synced = false;
+            }
+        }
+    }
+
+    fn send(&self, live: Live) {
         let (session, seq) = match &live {
             Live::Durable(envelope) | Live::Remote(envelope) => {
                 (envelope.session_id, Some(envelope.seq))
@@ -124,6 +229,13 @@ pub(crate) fn envelope_json(envelope: &Envelope) -> Option<String> {
             |e| tracing::error!(seq = envelope.seq, error = %e, "an event did not serialize"),
         )
         .ok()
+}
+
+fn session_of(live: &Live) -> SessionId {
+    match live {
+        Live::Durable(envelope) | Live::Remote(envelope) => envelope.session_id,
+        Live::Ephemeral(event) => event.session_id,
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -192,6 +304,60 @@ mod tests {
         let (a, b) = (first.try_recv().unwrap(), second.try_recv().unwrap());
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(std::iter::from_fn(|| all.try_recv().ok()).count(), 4);
+    }
+
+    /// Receives what `follower` gets within a moment.
+    async fn received(follower: &mut broadcast::Receiver<Arc<Published>>) -> Vec<Option<u64>> {
+        let mut seqs = Vec::new();
+        while let Ok(Ok(event)) =
+            tokio::time::timeout(std::time::Duration::from_millis(200), follower.recv()).await
+        {
+            seqs.push(event.seq);
+        }
+        seqs
+    }
+
+    #[tokio::test]
+    async fn a_deferred_commits_events_go_out_once_on_disk_and_what_follows_waits_behind() {
+        let hub = Hub::default();
+        let (mine, other) = (SessionId::new(), SessionId::new());
+        let mut follower = hub.follow(mine);
+        let mut others = hub.follow(other);
+        let (synced, on_disk) = tokio::sync::oneshot::channel();
+        hub.publish_when_durable(
+            mine,
+            vec![durable(mine, 5), durable(mine, 6)],
+            Durable::later(on_disk),
+        );
+        hub.publish(delta(mine));
+        hub.publish(durable(mine, 7));
+        hub.publish(durable(other, 1));
+        assert_eq!(received(&mut follower).await, [], "nothing before the sync");
+        assert_eq!(
+            received(&mut others).await,
+            [Some(1)],
+            "other sessions go on"
+        );
+
+        synced.send(Ok(())).unwrap();
+        assert_eq!(
+            received(&mut follower).await,
+            [Some(5), Some(6), None, Some(7)]
+        );
+        hub.publish(durable(mine, 8));
+        assert_eq!(received(&mut follower).await, [Some(8)], "no longer held");
+    }
+
+    #[tokio::test]
+    async fn events_whose_sync_failed_are_left_to_the_log() {
+        let hub = Hub::default();
+        let session = SessionId::new();
+        let mut follower = hub.follow(session);
+        let (synced, on_disk) = tokio::sync::oneshot::channel();
+        hub.publish_when_durable(session, vec![durable(session, 2)], Durable::later(on_disk));
+        hub.publish(delta(session));
+        synced.send(Err("no disk".into())).unwrap();
+        assert_eq!(received(&mut follower).await, [None]);
     }
 
     #[test]

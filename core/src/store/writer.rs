@@ -24,18 +24,26 @@
 //! the conflict) is what releases the locks the other transaction waits for. This is why
 //! a write is a closure that may run more than once (`FnMut`): it must do nothing but its
 //! statements.
+//!
+//! A write may also be deferred ([`super::deferred`]): a batch of nothing but deferred
+//! writes commits without waiting for the disk, and its callers hear when it gets there,
+//! with the next synced commit that writes anything or when the log is synced after a
+//! quiet [`Settings::flush_delay`].
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use diesel::Connection;
+use diesel::connection::SimpleConnection;
 use diesel::connection::{
     AnsiTransactionManager, Instrumentation, InstrumentationEvent, TransactionManager,
 };
+use keel_schema::id::SessionId;
 use tokio::sync::{mpsc, oneshot};
 
 use super::conn::Settings;
+use super::deferred::{Durable, Horizon, SyncWaiter, Unsynced};
 use super::fixed::fixed_query;
 use super::{Conn, Error, Failpoint, Stats};
 
@@ -51,6 +59,11 @@ trait Write: Send {
     fn finish(self: Box<Self>, commit_failure: Option<&str>);
     /// Reports that the write never took effect.
     fn fail(self: Box<Self>, message: &str);
+    /// The session of a deferred write; `None` for a write that must be on disk before
+    /// its caller hears of it.
+    fn deferred(&self) -> Option<SessionId>;
+    /// Where a deferred write's caller waits to hear that its commit is on disk.
+    fn take_sync_waiter(&mut self) -> Option<SyncWaiter>;
 }
 
 type Job = Box<dyn Write>;
@@ -59,6 +72,7 @@ struct Pending<F, T, E> {
     write: F,
     result: Option<Result<T, E>>,
     reply: oneshot::Sender<Result<T, E>>,
+    deferred: Option<(SessionId, Option<SyncWaiter>)>,
 }
 
 impl<F, T, E> Write for Pending<F, T, E>
@@ -94,6 +108,14 @@ where
         let error = E::from(Error::CommitFailed(message.to_owned()));
         // As above: a caller that stopped waiting needs no answer.
         drop(self.reply.send(Err(error)));
+    }
+
+    fn deferred(&self) -> Option<SessionId> {
+        self.deferred.as_ref().map(|(session, _)| *session)
+    }
+
+    fn take_sync_waiter(&mut self) -> Option<SyncWaiter> {
+        self.deferred.as_mut().and_then(|(_, waiter)| waiter.take())
     }
 }
 
@@ -157,10 +179,45 @@ const QUEUE: usize = 4096;
 /// Submits writes to the writer thread.
 pub(super) struct Handle {
     jobs: mpsc::Sender<Job>,
+    /// Whether deferred writes are deferred (a SQLite file at `FULL`).
+    defers: bool,
 }
 
 impl Handle {
     pub async fn submit<T, E, F>(&self, write: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + From<diesel::result::Error> + Send + 'static,
+        F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
+    {
+        self.send(write, None).await
+    }
+
+    /// Submits a write of `session` whose caller hears of it once committed, and learns
+    /// from the [`Durable`] when it is on disk.
+    pub async fn submit_deferred<T, E, F>(
+        &self,
+        session: SessionId,
+        write: F,
+    ) -> Result<(T, Durable), E>
+    where
+        T: Send + 'static,
+        E: From<Error> + From<diesel::result::Error> + Send + 'static,
+        F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
+    {
+        if !self.defers {
+            return Ok((self.submit(write).await?, Durable::now()));
+        }
+        let (waiter, synced) = oneshot::channel();
+        let value = self.send(write, Some((session, Some(waiter)))).await?;
+        Ok((value, Durable::later(synced)))
+    }
+
+    async fn send<T, E, F>(
+        &self,
+        write: F,
+        deferred: Option<(SessionId, Option<SyncWaiter>)>,
+    ) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
@@ -171,6 +228,7 @@ impl Handle {
             write,
             result: None,
             reply,
+            deferred,
         });
         self.jobs
             .send(job)
@@ -180,6 +238,16 @@ impl Handle {
     }
 }
 
+/// Where the writer's deferred commits go, and how long it waits before syncing them.
+pub(super) struct Deferral {
+    /// The write-ahead log to sync: `None` when this store does not defer.
+    pub wal: Option<std::path::PathBuf>,
+    pub horizon: Arc<Horizon>,
+    /// How long the writer waits, with deferred commits not on disk, for a synced commit
+    /// to take them along before it syncs them itself.
+    pub flush_delay: std::time::Duration,
+}
+
 /// Starts the writer thread on `connection`.
 pub(super) fn spawn(
     connection: Conn,
@@ -187,8 +255,10 @@ pub(super) fn spawn(
     max_batch: usize,
     stats: Arc<Stats>,
     failpoint: Option<Failpoint>,
+    deferral: Deferral,
 ) -> Result<Handle, Error> {
     let (jobs, receiver) = mpsc::channel(QUEUE);
+    let defers = deferral.wal.is_some();
     std::thread::Builder::new()
         .name("keel-store-writer".into())
         .spawn(move || {
@@ -199,13 +269,14 @@ pub(super) fn spawn(
                 max_batch.max(1),
                 &stats,
                 failpoint.as_ref(),
+                deferral,
             )
         })
         .map_err(|e| Error::Connect {
             url: "writer".into(),
             message: format!("starting the writer thread: {e}"),
         })?;
-    Ok(Handle { jobs })
+    Ok(Handle { jobs, defers })
 }
 
 fn run(
@@ -215,14 +286,42 @@ fn run(
     max_batch: usize,
     stats: &Stats,
     failpoint: Option<&Failpoint>,
+    deferral: Deferral,
 ) {
     let conflicts = Conflicts::default();
     conflicts.watch(&mut connection);
+    // Waiting for a write with a deadline (the flush delay) needs a clock: a runtime of
+    // this thread's own, used for nothing else.
+    let clock = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .inspect_err(|e| tracing::warn!(error = %e, "no timer for the store writer; every commit waits for the disk"))
+        .ok();
+    let wal = deferral.wal.filter(|_| clock.is_some());
+    let mut unsynced = Unsynced::new(wal, deferral.horizon);
+    // Whether the connection commits without waiting for the disk (`synchronous = NORMAL`).
+    let mut relaxed = false;
     let mut carried: Vec<Job> = Vec::new();
     loop {
         let mut batch = std::mem::take(&mut carried);
         if batch.is_empty() {
-            match receiver.blocking_recv() {
+            let next = match &clock {
+                Some(clock) if unsynced.pending() => {
+                    // The timer is made inside the runtime, whose clock it needs.
+                    let wait =
+                        async { tokio::time::timeout(deferral.flush_delay, receiver.recv()).await };
+                    match clock.block_on(wait) {
+                        Ok(next) => next,
+                        // Quiet for the flush delay: the deferred commits are synced now.
+                        Err(_) => {
+                            unsynced.sync(stats);
+                            continue;
+                        }
+                    }
+                }
+                _ => receiver.blocking_recv(),
+            };
+            match next {
                 Some(job) => batch.push(job),
                 None => break,
             }
@@ -239,14 +338,38 @@ fn run(
         stats
             .writes
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        carried = match run_batch(&mut connection, batch, fail, &conflicts) {
+        let deferred = unsynced.defers() && hold_back(&mut connection, &batch, &unsynced);
+        if deferred != relaxed {
+            let pragma = if deferred { "NORMAL" } else { "FULL" };
+            match connection.batch_execute(&format!("PRAGMA synchronous = {pragma}")) {
+                Ok(()) => relaxed = deferred,
+                Err(e) if deferred => {
+                    tracing::warn!(error = %e, "could not defer a commit's sync; it waits for the disk");
+                }
+                Err(e) => {
+                    // A connection that cannot be told to wait for the disk is replaced by
+                    // a new one, which waits by default.
+                    tracing::warn!(error = %e, "could not restore synchronous commits; reconnecting");
+                    connection = reconnect(&settings, &conflicts);
+                    relaxed = false;
+                }
+            }
+        }
+        let mut context = Batch {
+            unsynced: &mut unsynced,
+            deferred: deferred && relaxed,
+            stats,
+        };
+        carried = match run_batch(&mut connection, batch, fail, &conflicts, &mut context) {
             Ran::Carry(jobs) => jobs,
             // Nothing ran: a connection the database dropped (a restart, a failover) is
             // replaced and the same writes are tried once more on the new one.
             Ran::NotBegun(jobs, message) => {
                 tracing::warn!(%message, writes = jobs.len(), "could not begin a write batch; reconnecting");
                 connection = reconnect(&settings, &conflicts);
-                match run_batch(&mut connection, jobs, fail, &conflicts) {
+                relaxed = false;
+                context.deferred = false;
+                match run_batch(&mut connection, jobs, fail, &conflicts, &mut context) {
                     Ran::Carry(jobs) => jobs,
                     Ran::NotBegun(jobs, message) => {
                         tracing::error!(%message, writes = jobs.len(), "write batch failed");
@@ -262,9 +385,106 @@ fn run(
         if <Conn as Connection>::TransactionManager::is_broken_transaction_manager(&mut connection)
         {
             connection = reconnect(&settings, &conflicts);
+            relaxed = false;
         }
     }
+    if unsynced.pending() {
+        unsynced.sync(stats);
+    }
     tracing::debug!(url = %settings.url, "store writer stopped");
+}
+
+/// Whether `batch` may commit without waiting for the disk: every write in it is
+/// deferred. Its sessions' events are then held back from readers from their last seq on
+/// disk (unless an earlier hold stands); a session that cannot be looked up makes the
+/// batch wait for the disk instead.
+fn hold_back(connection: &mut Conn, batch: &[Job], unsynced: &Unsynced) -> bool {
+    use diesel::{OptionalExtension, QueryDsl, RunQueryDsl};
+
+    use super::schema::session;
+
+    let Some(sessions) = batch
+        .iter()
+        .map(|job| job.deferred())
+        .collect::<Option<Vec<_>>>()
+    else {
+        return false;
+    };
+    for id in sessions {
+        if unsynced.horizon().limit(id).is_some() {
+            continue;
+        }
+        // Everything committed before this batch is on disk, or held back already.
+        let last = session::table
+            .find(id.to_string())
+            .select(session::last_seq)
+            .get_result::<i64>(connection)
+            .optional();
+        match last {
+            Ok(last) => unsynced
+                .horizon()
+                .hold(id, last.map_or(0, |seq| u64::try_from(seq).unwrap_or(0))),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read a session's last seq; the commit waits for the disk");
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// What a batch's commit changes beyond its writes.
+struct Batch<'a> {
+    unsynced: &'a mut Unsynced,
+    /// The batch commits without waiting for the disk.
+    deferred: bool,
+    stats: &'a Stats,
+}
+
+impl Batch<'_> {
+    /// Whether a synced commit should be checked for writing anything: only a commit
+    /// that writes syncs the log, and deferred commits wait for one that does.
+    fn counts_changes(&self) -> bool {
+        !self.deferred && self.unsynced.pending()
+    }
+
+    /// The batch committed; `wrote` says whether a synced commit wrote anything (`None`:
+    /// not checked).
+    fn committed(&mut self, batch: &mut [Job], wrote: Option<bool>) {
+        if self.deferred {
+            for job in batch {
+                if let Some(waiter) = job.take_sync_waiter() {
+                    self.unsynced.wait_for_sync(waiter);
+                }
+            }
+            return;
+        }
+        self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        if wrote != Some(false) {
+            self.unsynced.synced();
+        }
+        // A deferred write that rode with synced ones is on disk with them (or wrote
+        // nothing that could be lost).
+        for job in batch {
+            if let Some(waiter) = job.take_sync_waiter() {
+                drop(waiter.send(Ok(())));
+            }
+        }
+    }
+}
+
+/// The connection's count of rows changed since it opened (SQLite; `None` elsewhere or
+/// when it cannot be read).
+fn total_changes(connection: &mut Conn) -> Option<i64> {
+    use diesel::RunQueryDsl;
+    match connection {
+        Conn::Sqlite(c) => diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+            "total_changes()",
+        ))
+        .get_result(c)
+        .ok(),
+        Conn::Pg(_) => None,
+    }
 }
 
 /// How many times a batch runs before a conflict with another transaction fails it.
@@ -297,8 +517,18 @@ enum Attempt {
 }
 
 /// Runs one batch, again from the start after a conflict.
-fn run_batch(connection: &mut Conn, mut batch: Vec<Job>, fail: bool, conflicts: &Conflicts) -> Ran {
+fn run_batch(
+    connection: &mut Conn,
+    mut batch: Vec<Job>,
+    fail: bool,
+    conflicts: &Conflicts,
+    context: &mut Batch<'_>,
+) -> Ran {
     let started = std::time::Instant::now();
+    let changes_before = context
+        .counts_changes()
+        .then(|| total_changes(connection))
+        .flatten();
     let mut attempt = 1;
     let ended = loop {
         match attempt_batch(connection, &mut batch, fail, conflicts) {
@@ -313,6 +543,12 @@ fn run_batch(connection: &mut Conn, mut batch: Vec<Job>, fail: bool, conflicts: 
     };
     if matches!(ended, Attempt::Committed) {
         crate::metrics::store_committed(batch.len(), started.elapsed());
+        let wrote = changes_before
+            .zip(total_changes(connection))
+            .map(|(before, after)| after > before);
+        // Before any caller hears of its write: a deferred commit is on disk once a synced
+        // one after it is.
+        context.committed(&mut batch, wrote);
     }
     let failure = match ended {
         Attempt::Committed | Attempt::AloneFailed => None,
@@ -547,8 +783,21 @@ mod tests {
             write,
             result: None,
             reply,
+            deferred: None,
         });
         (job, runs, outcome)
+    }
+
+    /// Runs `batch` as the writer runs a synced one, on a store that does not defer.
+    fn run_synced(connection: &mut Conn, batch: Vec<Job>, conflicts: &Conflicts) -> Ran {
+        let mut unsynced = Unsynced::new(None, Arc::default());
+        let stats = Stats::default();
+        let mut context = Batch {
+            unsynced: &mut unsynced,
+            deferred: false,
+            stats: &stats,
+        };
+        run_batch(connection, batch, false, conflicts, &mut context)
     }
 
     #[test]
@@ -557,7 +806,7 @@ mod tests {
         let conflicts = Conflicts::default();
         let (first, first_runs, first_outcome) = job(1, 0, &conflicts);
         let (second, second_runs, second_outcome) = job(2, 2, &conflicts);
-        let ran = run_batch(&mut connection, vec![first, second], false, &conflicts);
+        let ran = run_synced(&mut connection, vec![first, second], &conflicts);
         assert!(matches!(ran, Ran::Carry(carried) if carried.is_empty()));
         // The write before the conflicted one ran again too: its first run was undone.
         assert_eq!(first_runs.load(Ordering::SeqCst), 3);
@@ -573,7 +822,7 @@ mod tests {
         let conflicts = Conflicts::default();
         let (first, _, first_outcome) = job(1, 0, &conflicts);
         let (second, second_runs, second_outcome) = job(2, u32::MAX, &conflicts);
-        run_batch(&mut connection, vec![first, second], false, &conflicts);
+        run_synced(&mut connection, vec![first, second], &conflicts);
         assert_eq!(second_runs.load(Ordering::SeqCst), CONFLICT_ATTEMPTS);
         for outcome in [first_outcome, second_outcome] {
             match outcome.blocking_recv() {

@@ -5,6 +5,7 @@
 mod support;
 
 mod conflict;
+mod deferred;
 mod epoch;
 mod execution;
 mod inbox;
