@@ -4,7 +4,7 @@
 //!   the TypeScript client's types and the web console's build).
 //! - `check`: fails, naming each file, when a generated file is stale, when the catalog and
 //!   `contracts/events/` disagree, or when a published event version's schema changed.
-//! - `bench [--quick] [--postgres] [--peers] [--only store|runner|server|peers]`: runs the
+//! - `bench [--quick] [--postgres] [--peers] [--only store|runner|stored|server|peers]`: runs the
 //!   benchmarks (`--peers`: also salvor and opencode on the same workload, installed on
 //!   demand under `target/peers/`), prints a table, writes `target/bench/latest.json`.
 //! - `test [ARGS]`: every test, the workspace's and those behind optional features (see

@@ -1,4 +1,4 @@
-//! `cargo xtask bench [--quick] [--postgres] [--peers] [--only store|runner|server|peers]`:
+//! `cargo xtask bench [--quick] [--postgres] [--peers] [--only store|runner|stored|server|peers]`:
 //! runs Keel's benchmarks, prints one table, and writes it as JSON to
 //! `target/bench/latest.json`.
 //!
@@ -25,13 +25,13 @@ use serde_json::{Value, json};
 
 mod peers;
 
-const USAGE: &str =
-    "usage: cargo xtask bench [--quick] [--postgres] [--peers] [--only store|runner|server|peers]";
+const USAGE: &str = "usage: cargo xtask bench [--quick] [--postgres] [--peers] [--only store|runner|stored|server|peers]";
 
 /// The in-process benchmark binaries: (package, bench target).
 const BENCHES: &[(&str, &str)] = &[
     ("keel-core", "store"),
     ("keel-core", "runner"),
+    ("keel-core", "stored"),
     ("keel-core", "server"),
 ];
 
@@ -57,8 +57,10 @@ fn parse(args: &[String]) -> Result<Options> {
             "--peers" => options.peers = true,
             "--only" => {
                 let part = args.next().context(USAGE)?;
-                if !["store", "runner", "server", "peers"].contains(&part.as_str()) {
-                    bail!("--only takes store, runner, server or peers, not `{part}`\n{USAGE}");
+                if !["store", "runner", "stored", "server", "peers"].contains(&part.as_str()) {
+                    bail!(
+                        "--only takes store, runner, stored, server or peers, not `{part}`\n{USAGE}"
+                    );
                 }
                 options.peers |= part == "peers";
                 options.only = Some(part.clone());
