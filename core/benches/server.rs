@@ -51,23 +51,28 @@ struct Plan {
     concurrent: usize,
     subscribers: usize,
     fanout_runs: usize,
-    /// Sessions of the memory figures.
-    memory_sessions: usize,
-    memory_runs: usize,
+    /// Sessions of the memory figures, and runs of each count.
+    memory: Vec<(usize, usize)>,
     /// How long the memory figure's model waits mid-stream.
     hold_ms: u64,
 }
 
 fn main() {
     let (quick, _) = flags();
-    if let Err(e) = run(Path::new(env!("CARGO_BIN_EXE_keel")), quick) {
+    // `--memory-sessions 10000` measures the memory figures alone, with those counts.
+    let only_memory: Option<Vec<usize>> = common::option("--memory-sessions").map(|list| {
+        list.split(',')
+            .map(|n| n.trim().parse().expect("--memory-sessions takes numbers"))
+            .collect()
+    });
+    if let Err(e) = run(Path::new(env!("CARGO_BIN_EXE_keel")), quick, only_memory) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn run(binary: &Path, quick: bool) -> Result<()> {
-    let plan = if quick {
+fn run(binary: &Path, quick: bool, only_memory: Option<Vec<usize>>) -> Result<()> {
+    let mut plan = if quick {
         Plan {
             runs: 3,
             deltas: 20,
@@ -75,9 +80,8 @@ fn run(binary: &Path, quick: bool) -> Result<()> {
             concurrent: 100,
             subscribers: 250,
             fanout_runs: 1,
-            memory_sessions: 250,
-            memory_runs: 1,
-            hold_ms: 20_000,
+            memory: vec![(250, 1)],
+            hold_ms: 600_000,
         }
     } else {
         Plan {
@@ -87,12 +91,15 @@ fn run(binary: &Path, quick: bool) -> Result<()> {
             concurrent: 100,
             subscribers: 1_000,
             fanout_runs: 3,
-            memory_sessions: 1_000,
-            memory_runs: 3,
-            hold_ms: 60_000,
+            memory: vec![(100, 3), (1_000, 3), (10_000, 1)],
+            hold_ms: 600_000,
         }
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    if let Some(counts) = only_memory {
+        plan.memory = counts.into_iter().map(|n| (n, 1)).collect();
+        return runtime.block_on(memory(binary, &plan));
+    }
     runtime.block_on(async {
         latency(binary, &plan).await?;
         memory(binary, &plan).await
@@ -409,61 +416,62 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
 }
 
 /// The server's resident set with no sessions, with many idle sessions, and with each of
-/// them in the middle of a streaming step; a fresh server per run.
+/// them in the middle of a streaming step; a fresh server per run, for each count.
 async fn memory(binary: &Path, plan: &Plan) -> Result<()> {
-    let n = plan.memory_sessions;
-    let (mut idle, mut streaming, mut base) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..plan.memory_runs {
-        eprintln!("server: memory with {n} sessions");
-        let keel = Keel::start(binary, plan)?;
-        // One full prompt first, so what every process allocates once is not counted.
-        let warm = keel.sessions("quick/scripted", 1).await?;
-        streamed(&keel, &warm, 1).await?;
-        let settle = || tokio::time::sleep(Duration::from_millis(500));
-        settle().await;
-        let empty = keel.rss_kib()?;
-        let sessions = keel.sessions("hold/scripted", n).await?;
-        settle().await;
-        let with_idle = keel.rss_kib()?;
-        keel.prompt(&sessions).await?;
-        wait_running(&keel, &sessions).await?;
-        settle().await;
-        let with_streaming = keel.rss_kib()?;
-        base.push(empty as f64 / 1024.0);
-        idle.push(with_idle.saturating_sub(empty) as f64 / n as f64);
-        streaming.push(with_streaming.saturating_sub(with_idle) as f64 / n as f64);
+    let mut base = Vec::new();
+    for &(n, runs) in &plan.memory {
+        let (mut idle, mut streaming) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            eprintln!("server: memory with {n} sessions");
+            let keel = Keel::start(binary, plan)?;
+            // One full prompt first, so what every process allocates once is not counted.
+            let warm = keel.sessions("quick/scripted", 1).await?;
+            streamed(&keel, &warm, 1).await?;
+            let settle = || tokio::time::sleep(Duration::from_millis(500));
+            settle().await;
+            let empty = keel.rss_kib()?;
+            let sessions = keel.sessions("hold/scripted", n).await?;
+            settle().await;
+            let with_idle = keel.rss_kib()?;
+            keel.prompt(&sessions).await?;
+            wait_running(&keel, &sessions).await?;
+            settle().await;
+            let with_streaming = keel.rss_kib()?;
+            base.push(empty as f64 / 1024.0);
+            idle.push(with_idle.saturating_sub(empty) as f64 / n as f64);
+            streaming.push(with_streaming.saturating_sub(with_idle) as f64 / n as f64);
+        }
+        report(
+            &format!("RSS per idle session, {n} sessions"),
+            median(&idle),
+            "KiB",
+            SERVER,
+            runs,
+            SETTINGS,
+        );
+        report(
+            &format!("RSS per streaming session, {n} at once"),
+            median(&streaming),
+            "KiB",
+            SERVER,
+            runs,
+            &format!("{SETTINGS}, each step waits in the model after its first text"),
+        );
     }
-    let runs = plan.memory_runs;
     report(
         "RSS of a started server",
         median(&base),
         "MiB",
         SERVER,
-        runs,
+        base.len(),
         SETTINGS,
-    );
-    report(
-        &format!("RSS per idle session, {n} sessions"),
-        median(&idle),
-        "KiB",
-        SERVER,
-        runs,
-        SETTINGS,
-    );
-    report(
-        &format!("RSS per streaming session, {n} at once"),
-        median(&streaming),
-        "KiB",
-        SERVER,
-        runs,
-        &format!("{SETTINGS}, each step waits in the model after its first text"),
     );
     Ok(())
 }
 
 /// Waits until every session's execution is running its step.
 async fn wait_running(keel: &Keel, sessions: &[SessionId]) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
     let mut waiting: Vec<SessionId> = sessions.to_vec();
     while !waiting.is_empty() {
         if tokio::time::Instant::now() > deadline {
