@@ -148,6 +148,7 @@ fn text(t: &str) -> Item {
     Item::Text {
         text: t.into(),
         chunks: Some(3),
+        gap_ms: None,
     }
 }
 

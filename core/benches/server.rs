@@ -4,11 +4,12 @@
 //! `BENCH {json}` lines this prints.
 //!
 //! - Delta to client: sessions stream text from a scripted model (one delta every few
-//!   milliseconds, each text fragment between its durable `text.started` and
-//!   `text.ended`); one client follows each session's log with ephemeral events. A
-//!   sample is the client's receive time minus the envelope's `time`, which the runner
-//!   stamps when it publishes the delta. `time` is whole milliseconds (truncated), so
-//!   each sample overstates the latency by 0 to 1 ms.
+//!   milliseconds, many deltas per text fragment, each fragment between its durable
+//!   `text.started` and `text.ended`); one client follows each session's log with
+//!   ephemeral events. A sample is the client's receive time minus the envelope's
+//!   `time`, which is when the provider's event arrived in Keel (`runner::receive`), so
+//!   it counts every commit and queue in front of the delta. `time` is whole
+//!   milliseconds (truncated), so each sample overstates the latency by 0 to 1 ms.
 //! - Fan-out: many clients follow one session; the same samples, and the same for its
 //!   durable events (whose `time` is stamped inside the writing transaction, so their
 //!   latency includes the commit).
@@ -44,11 +45,13 @@ const SETTINGS: &str = "keel serve";
 
 struct Plan {
     runs: usize,
-    /// Text deltas per streamed step, and the model's pause before each.
+    /// Text deltas per streamed step, the model's pause before each, and how many of
+    /// them make one text fragment (between its durable `text.started` and `text.ended`).
     deltas: usize,
     delta_gap_ms: u64,
-    /// Concurrent streaming sessions of the second latency figure.
-    concurrent: usize,
+    deltas_per_fragment: usize,
+    /// Concurrent streaming sessions of the latency figures.
+    concurrent: Vec<usize>,
     subscribers: usize,
     fanout_runs: usize,
     /// Sessions of the memory figures, and runs of each count.
@@ -77,7 +80,8 @@ fn run(binary: &Path, quick: bool, only_memory: Option<Vec<usize>>) -> Result<()
             runs: 3,
             deltas: 20,
             delta_gap_ms: 20,
-            concurrent: 100,
+            deltas_per_fragment: 10,
+            concurrent: vec![1, 100],
             subscribers: 250,
             fanout_runs: 1,
             memory: vec![(250, 1)],
@@ -88,7 +92,8 @@ fn run(binary: &Path, quick: bool, only_memory: Option<Vec<usize>>) -> Result<()
             runs: 5,
             deltas: 40,
             delta_gap_ms: 20,
-            concurrent: 100,
+            deltas_per_fragment: 10,
+            concurrent: vec![1, 100, 1_000],
             subscribers: 1_000,
             fanout_runs: 3,
             memory: vec![(100, 3), (1_000, 3), (10_000, 1)],
@@ -206,10 +211,19 @@ impl Drop for Keel {
 fn write_config(dir: &Path, plan: &Plan) -> Result<()> {
     let text = |t: String| json!({"type": "text", "text": t, "chunks": 1});
     let delay = |ms: u64| json!({"type": "delay", "ms": ms});
+    // Fragments of many deltas, a gap before each delta: a durable `text.ended` and
+    // `text.started` between fragments, as a model's answer interleaves text and calls.
     let mut streamed = Vec::new();
-    for n in 0..plan.deltas {
+    let per = plan.deltas_per_fragment.max(1);
+    for fragment in 0..plan.deltas.div_ceil(per) {
+        let words: String = (0..per).map(|n| format!("w{fragment}.{n} ")).collect();
         streamed.push(delay(plan.delta_gap_ms));
-        streamed.push(text(format!("Word {n} of the answer. ")));
+        streamed.push(json!({
+            "type": "text",
+            "text": words,
+            "chunks": per,
+            "gap_ms": plan.delta_gap_ms,
+        }));
     }
     let scripts = [
         ("stream", json!({"responses": [{"items": streamed}]})),
@@ -333,10 +347,11 @@ async fn streamed(keel: &Keel, sessions: &[SessionId], followers: usize) -> Resu
 async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
     let keel = Keel::start(binary, plan)?;
     let shape = format!(
-        "{SETTINGS}, {} deltas {} ms apart per step",
-        plan.deltas, plan.delta_gap_ms
+        "{SETTINGS}, {} deltas {} ms apart per step, {} per text fragment; stamped when \
+         the provider's event arrives",
+        plan.deltas, plan.delta_gap_ms, plan.deltas_per_fragment
     );
-    for concurrent in [1, plan.concurrent] {
+    for &concurrent in &plan.concurrent {
         eprintln!("server: delta latency, {concurrent} streaming sessions");
         let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
         for _ in 0..plan.runs {

@@ -58,11 +58,13 @@ pub enum ErrorKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Item {
-    /// Text, streamed in `chunks` deltas (default 1).
+    /// Text, streamed in `chunks` deltas (default 1), `gap_ms` apart (default: at once).
     Text {
         text: String,
         #[serde(default)]
         chunks: Option<usize>,
+        #[serde(default)]
+        gap_ms: Option<u64>,
     },
     Reasoning {
         text: String,
@@ -131,6 +133,7 @@ impl Scripted {
                         Item::Text {
                             text: "Let me look at the session directory.".into(),
                             chunks: Some(4),
+                            gap_ms: None,
                         },
                         Item::ToolCall {
                             name: "list".into(),
@@ -147,6 +150,7 @@ impl Scripted {
                                keel.toml to talk to a real model."
                             .into(),
                         chunks: Some(6),
+                        gap_ms: None,
                     }],
                 },
             ],
@@ -192,10 +196,17 @@ impl Provider for Scripted {
             let default_id = || format!("scripted_{n}");
             match item {
                 Item::Delay { ms } => delay += ms,
-                Item::Text { text, chunks } => {
+                Item::Text {
+                    text,
+                    chunks,
+                    gap_ms,
+                } => {
                     said.push_str(text);
                     push(&mut steps, &mut delay, Ok(Event::TextStart));
-                    for piece in split(text, chunks.unwrap_or(1)) {
+                    for (n, piece) in split(text, chunks.unwrap_or(1)).into_iter().enumerate() {
+                        if n > 0 {
+                            delay += gap_ms.unwrap_or(0);
+                        }
                         push(&mut steps, &mut delay, Ok(Event::TextDelta(piece)));
                     }
                     push(&mut steps, &mut delay, Ok(Event::TextEnd));

@@ -16,10 +16,10 @@ impl Step<'_> {
         let mut order = order.into_iter().peekable();
         // Deltas ahead of the first durable event follow what is already committed: they
         // need not wait for this commit.
-        while let Some(Outgoing::Ephemeral(event)) =
-            order.next_if(|o| matches!(o, Outgoing::Ephemeral(_)))
+        while let Some(Outgoing::Ephemeral(event, arrived)) =
+            order.next_if(|o| matches!(o, Outgoing::Ephemeral(..)))
         {
-            deltas.push(event);
+            deltas.push((event, arrived));
         }
         self.publish_deltas(&mut deltas);
         if durable.is_empty() {
@@ -28,7 +28,7 @@ impl Step<'_> {
         let mut committed = self.engine.append(self.held, durable).await?.into_iter();
         for item in order {
             match item {
-                Outgoing::Ephemeral(event) => deltas.push(event),
+                Outgoing::Ephemeral(event, arrived) => deltas.push((event, arrived)),
                 Outgoing::Durable => {
                     self.publish_deltas(&mut deltas);
                     if let Some(envelope) = committed.next() {
@@ -41,9 +41,11 @@ impl Step<'_> {
         Ok(())
     }
 
-    fn publish_deltas(&self, deltas: &mut Vec<EphemeralEvent>) {
-        for event in coalesce(std::mem::take(deltas)) {
-            self.engine.publish_ephemeral(self.held, event);
+    /// Publishes deltas, each stamped with when its provider event arrived (a run
+    /// coalesced into one carries its first delta's time).
+    fn publish_deltas(&self, deltas: &mut Vec<(EphemeralEvent, i64)>) {
+        for (event, arrived) in coalesce(std::mem::take(deltas)) {
+            self.engine.publish_ephemeral_at(self.held, event, arrived);
         }
     }
 }
@@ -62,15 +64,25 @@ pub(super) struct Burst {
 #[derive(Debug)]
 enum Outgoing {
     Durable,
-    Ephemeral(EphemeralEvent),
+    /// A delta, and when its provider event arrived.
+    Ephemeral(EphemeralEvent, i64),
 }
 
 impl Burst {
-    /// One provider event's output: its durable events come before its deltas.
-    pub(super) fn extend(&mut self, durable: Vec<DurableEvent>, ephemeral: Vec<EphemeralEvent>) {
+    /// One provider event's output, which arrived at `arrived`: its durable events come
+    /// before its deltas.
+    pub(super) fn extend(
+        &mut self,
+        durable: Vec<DurableEvent>,
+        ephemeral: Vec<EphemeralEvent>,
+        arrived: i64,
+    ) {
         self.order.extend(durable.iter().map(|_| Outgoing::Durable));
         self.durable.extend(durable);
-        self.order
-            .extend(ephemeral.into_iter().map(Outgoing::Ephemeral));
+        self.order.extend(
+            ephemeral
+                .into_iter()
+                .map(|event| Outgoing::Ephemeral(event, arrived)),
+        );
     }
 }

@@ -161,12 +161,18 @@ impl Engine {
 
     /// Publishes an ephemeral event, only while this process owns the execution.
     pub(super) fn publish_ephemeral(&self, held: &Held, event: EphemeralEvent) {
+        self.publish_ephemeral_at(held, event, self.now());
+    }
+
+    /// [`Engine::publish_ephemeral`] for an event that happened at `time` (a delta: when
+    /// its provider event arrived, [`super::receive`]).
+    pub(super) fn publish_ephemeral_at(&self, held: &Held, event: EphemeralEvent, time: i64) {
         if !self.owns(held) {
             return;
         }
         self.live.publish(Live::Ephemeral(EphemeralEnvelope {
             session_id: held.claim.session_id,
-            time: self.now(),
+            time,
             event,
         }));
     }

@@ -12,6 +12,7 @@
 //!   cleanup and release, and the state every part shares;
 //! - `drain`: the boundaries and the loop of steps;
 //! - `step`: one step as a state machine: the provider's response, the calls it made;
+//! - `receive`: the response read ahead on its own task, each event stamped on arrival;
 //! - `burst`: what the stream has ready, committed together and published in order;
 //! - `translate`: provider events into Keel's events, under the fragment rules;
 //! - `tools`: a step's local calls: permissions, questions, starting tools, results;
@@ -32,6 +33,7 @@ mod error;
 mod fence;
 mod handle;
 pub mod live;
+mod receive;
 mod rerun;
 mod retry;
 mod settings;

@@ -32,7 +32,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
 use keel_schema::event::{DurableEvent, payload};
 use keel_schema::id::{CallId, MessageId};
 use keel_schema::types::{
@@ -44,12 +43,14 @@ use tokio_util::sync::CancellationToken;
 use super::burst::Burst;
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::fence::Held;
+use super::receive::{ReadAhead, Received};
 use super::tools::{QUESTION, Ran, result_event};
 use super::translate::{Known, Translator};
 use super::{Agent, Engine, Error, context};
+use crate::clock::SharedClock;
 use crate::event::view;
 use crate::execution;
-use crate::provider::{self, Event, EventStream, Provider, ToolChoice};
+use crate::provider::{self, EventStream, Provider, ToolChoice};
 
 /// How a step ended, as far as the drain needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,7 +141,7 @@ impl Ended {
 enum Response {
     /// Being read. `said`: the provider has said something, so a failure can no longer be
     /// retried transparently.
-    Streaming { stream: EventStream, said: bool },
+    Streaming { stream: ReadAhead, said: bool },
     /// Refused as longer than the model's context, before any output.
     Overflowed(provider::Error),
     /// Failed before any output with an error the policy retries after `wait`.
@@ -163,9 +164,9 @@ enum Over {
 }
 
 impl Response {
-    fn streaming(stream: EventStream) -> Self {
+    fn streaming(stream: EventStream, clock: &SharedClock) -> Self {
         Self::Streaming {
-            stream,
+            stream: ReadAhead::start(stream, clock.clone()),
             said: false,
         }
     }
@@ -186,7 +187,7 @@ impl Response {
 
 /// The next event of a streaming response. `select!` builds every arm's future, enabled
 /// or not, so in any other state this waits forever instead.
-async fn next_event(response: &mut Response) -> Option<Result<Event, provider::Error>> {
+async fn next_event(response: &mut Response) -> Option<Received> {
     match response {
         Response::Streaming { stream, .. } => stream.next().await,
         _ => std::future::pending().await,
@@ -414,10 +415,10 @@ impl<'a> Step<'a> {
         if !engine.owns(held) {
             return Err(Error::OwnershipLost(session));
         }
-        let response = Response::streaming(crate::metrics::observed(
-            &request,
-            provider.stream(&request),
-        ));
+        let response = Response::streaming(
+            crate::metrics::observed(&request, provider.stream(&request)),
+            engine.store.clock(),
+        );
         let translator = Translator::new(assistant, known_tools(engine), last_step);
         let mut step = Self::assemble(
             engine,
@@ -573,10 +574,7 @@ impl<'a> Step<'a> {
 
     /// Takes `first` and everything else the stream has ready, so deltas go out batched
     /// and the durable events commit in one write, and moves the response on.
-    async fn on_stream_batch(
-        &mut self,
-        first: Option<Result<Event, provider::Error>>,
-    ) -> Result<(), Error> {
+    async fn on_stream_batch(&mut self, first: Option<Received>) -> Result<(), Error> {
         let Response::Streaming {
             mut stream,
             mut said,
@@ -587,7 +585,12 @@ impl<'a> Step<'a> {
         };
         let mut item = first;
         let next = loop {
-            match item {
+            // When the event arrived: its deltas carry that time to the client.
+            let (event, arrived) = match item {
+                Some((event, arrived)) => (Some(event), arrived),
+                None => (None, self.engine.now()),
+            };
+            match event {
                 // Ended before saying anything: cut short, retried like one.
                 None if !said => {
                     break self.retry_or_fail(
@@ -604,7 +607,8 @@ impl<'a> Step<'a> {
                     Err(e) => break Response::Over(Over::Failed(e)),
                     Ok(actions) => {
                         said = true;
-                        self.burst.extend(actions.durable, actions.ephemeral);
+                        self.burst
+                            .extend(actions.durable, actions.ephemeral, arrived);
                         if !actions.launch.is_empty() {
                             // A local call starts only once its `tool.called` committed.
                             self.commit_burst().await?;
@@ -616,7 +620,7 @@ impl<'a> Step<'a> {
                     }
                 },
             }
-            match stream.next().now_or_never() {
+            match stream.ready() {
                 Some(next) => item = next,
                 None => break Response::Streaming { stream, said },
             }
@@ -673,7 +677,10 @@ impl<'a> Step<'a> {
                 let session = self.held.claim.session_id;
                 self.request.system = system;
                 self.request.turns = context::turns(&self.engine.messages(session).await?);
-                Response::streaming(self.provider.stream(&self.request))
+                Response::streaming(
+                    self.provider.stream(&self.request),
+                    self.engine.store.clock(),
+                )
             }
             Compacted::Interrupted => self.interrupted(),
             Compacted::Failed(_) => Response::Over(Over::Failed(error)),
@@ -709,10 +716,13 @@ impl<'a> Step<'a> {
             () = self.cancel.cancelled() => Ok(self.interrupted()),
             () = tokio::time::sleep(wait) => {
                 if engine.owns(held) {
-                    Ok(Response::streaming(crate::metrics::observed(
-                        &self.request,
-                        self.provider.stream(&self.request),
-                    )))
+                    Ok(Response::streaming(
+                        crate::metrics::observed(
+                            &self.request,
+                            self.provider.stream(&self.request),
+                        ),
+                        engine.store.clock(),
+                    ))
                 } else {
                     Err(Error::OwnershipLost(session))
                 }

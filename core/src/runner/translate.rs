@@ -364,11 +364,12 @@ impl Translator {
     }
 }
 
-/// Merges consecutive deltas of the same fragment into one event.
-pub(super) fn coalesce(events: Vec<EphemeralEvent>) -> Vec<EphemeralEvent> {
-    let mut out: Vec<EphemeralEvent> = Vec::with_capacity(events.len());
-    for event in events {
-        match (out.last_mut(), event) {
+/// Merges consecutive deltas of the same fragment into one event, which keeps the first's
+/// tag (a delta's arrival time).
+pub(super) fn coalesce<T>(events: Vec<(EphemeralEvent, T)>) -> Vec<(EphemeralEvent, T)> {
+    let mut out: Vec<(EphemeralEvent, T)> = Vec::with_capacity(events.len());
+    for (event, tag) in events {
+        match (out.last_mut().map(|(last, _)| last), event) {
             (Some(EphemeralEvent::TextDelta(last)), EphemeralEvent::TextDelta(next))
                 if last.ordinal == next.ordinal =>
             {
@@ -384,7 +385,7 @@ pub(super) fn coalesce(events: Vec<EphemeralEvent>) -> Vec<EphemeralEvent> {
             {
                 last.delta.push_str(&next.delta);
             }
-            (_, event) => out.push(event),
+            (_, event) => out.push((event, tag)),
         }
     }
     out

@@ -227,6 +227,7 @@ pub fn text(t: &str) -> Item {
     Item::Text {
         text: t.into(),
         chunks: Some(3),
+        gap_ms: None,
     }
 }
 

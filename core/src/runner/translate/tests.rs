@@ -227,6 +227,10 @@ fn consecutive_deltas_of_one_fragment_coalesce() {
             delta: text.into(),
         })
     };
-    let merged = coalesce(vec![delta(0, "a"), delta(0, "b"), delta(1, "c")]);
-    assert_eq!(merged, vec![delta(0, "ab"), delta(1, "c")]);
+    let merged = coalesce(vec![
+        (delta(0, "a"), 1),
+        (delta(0, "b"), 2),
+        (delta(1, "c"), 3),
+    ]);
+    assert_eq!(merged, vec![(delta(0, "ab"), 1), (delta(1, "c"), 3)]);
 }
