@@ -28,7 +28,7 @@
 //! A write may also be deferred ([`super::deferred`]): a batch of nothing but deferred
 //! writes commits without waiting for the disk, and its callers hear when it gets there,
 //! with the next synced commit that writes anything or when the log is synced after a
-//! quiet [`Settings::flush_delay`].
+//! quiet [`flush_delay`](super::Options::flush_delay).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -543,6 +543,8 @@ fn run_batch(
     };
     if matches!(ended, Attempt::Committed) {
         crate::metrics::store_committed(batch.len(), started.elapsed());
+        // Unknown (the count unreadable) counts as written: SQLite's own count does not
+        // fail on a connection that just committed.
         let wrote = changes_before
             .zip(total_changes(connection))
             .map(|(before, after)| after > before);
