@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use self::statements::{
-    AddUsage, AnswerRequest, CancelInput, InsertMessage, InsertRequest, PromoteInput,
-    RequestExecution, SetAgent, SetDeleted, SetModel, SetTitle,
+    AddUsage, AnswerRequest, CancelInput, CountCreated, CountDeleted, InsertMessage, InsertRequest,
+    PromoteInput, RequestExecution, SetAgent, SetDeleted, SetModel, SetTitle,
 };
 use super::view::InputRow;
 use crate::request::{Kind, Reply};
@@ -131,10 +131,14 @@ impl Projection<'_> {
                 provider: &e.model.provider,
                 model: &e.model.id,
             }),
-            DurableEvent::Deleted(_) => self.run(SetDeleted {
-                id: self.session_id,
-                at: envelope.time,
-            }),
+            DurableEvent::Deleted(_) => {
+                self.run(SetDeleted {
+                    id: self.session_id,
+                    at: envelope.time,
+                })?;
+                // A deleted session takes no more events, so this runs once per session.
+                self.run(CountDeleted)
+            }
             DurableEvent::PromptAdmitted(e) => self.admitted(e),
             DurableEvent::PromptExecutionRequested(e) => self.execution_requested(e.input_id),
             DurableEvent::PromptCancelled(e) => self.cancelled(e.input_id),
@@ -407,7 +411,7 @@ impl Projection<'_> {
                 session::cost.eq(0.0),
             ))
             .execute(self.connection)?;
-        Ok(())
+        self.run(CountCreated)
     }
 
     fn add_usage(&mut self, usage: Usage, cost: f64) -> Result<(), Error> {

@@ -534,15 +534,16 @@ pub async fn mcp_servers(State(state): State<AppState>) -> Json<McpServerList> {
 /// `GET /metrics`: the process's metrics in the Prometheus text format, with the shared
 /// gauges read from the database now.
 pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse> {
-    use crate::store::schema::{session, session_execution, session_request};
+    use crate::store::schema::{session_count, session_execution, session_request};
     use diesel::prelude::*;
     let alive_since = state.store.clock().now_ms() - 3 * state.lease_ms;
     let shared = state
         .store
         .read(move |c| {
-            let sessions: i64 = session::table
-                .filter(session::deleted_at.is_null())
-                .count()
+            // Kept by the projector: counting the sessions would read every one of them
+            // at every scrape.
+            let sessions: i64 = session_count::table
+                .select(session_count::live)
                 .get_result(c)?;
             let busy: i64 = session_execution::table.count().get_result(c)?;
             let waiting: i64 = session_request::table

@@ -127,6 +127,14 @@ diesel::table! {
     }
 }
 
+// One row (`id` 1): how many sessions are not deleted, kept by the projector.
+diesel::table! {
+    session_count (id) {
+        id -> Integer,
+        live -> BigInt,
+    }
+}
+
 diesel::joinable!(event -> session (session_id));
 diesel::joinable!(session_message -> session (session_id));
 diesel::joinable!(session_input -> session (session_id));
@@ -141,4 +149,5 @@ diesel::allow_tables_to_appear_in_same_query!(
     session_request,
     context_epoch,
     node,
+    session_count,
 );

@@ -37,7 +37,58 @@ backend_tests!(
     reads_return_events_after_a_seq_up_to_a_limit,
     concurrent_appends_to_many_sessions_are_group_committed_in_order,
     a_failing_write_in_a_shared_transaction_undoes_only_itself,
+    the_count_of_sessions_not_deleted_follows_creations_and_deletions,
 );
+
+/// `session_count`, which `GET /metrics` reads instead of counting the sessions, is kept
+/// by the projector and always equals the count; a refused creation changes it not.
+async fn the_count_of_sessions_not_deleted_follows_creations_and_deletions(db: TestDb) {
+    use keel_core::store::schema::{session, session_count};
+
+    let store = db.open().await;
+    let counts = |store: &Store| {
+        let store = store.clone();
+        async move {
+            store
+                .read(|c| {
+                    use diesel::prelude::*;
+                    let kept: i64 = session_count::table
+                        .select(session_count::live)
+                        .get_result(c)?;
+                    let counted: i64 = session::table
+                        .filter(session::deleted_at.is_null())
+                        .count()
+                        .get_result(c)?;
+                    Ok::<_, Error>((kept, counted))
+                })
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(counts(&store).await, (0, 0));
+    let sessions = new_sessions(&store, 3).await;
+    assert_eq!(counts(&store).await, (3, 3));
+    store
+        .append(
+            sessions[1],
+            vec![DurableEvent::Deleted(payload::Deleted {})],
+        )
+        .await
+        .unwrap();
+    let again = store.append(sessions[0], vec![created("again")]).await;
+    assert!(matches!(again, Err(Error::SessionExists(_))), "{again:?}");
+    let deleted_again = store
+        .append(
+            sessions[1],
+            vec![DurableEvent::Deleted(payload::Deleted {})],
+        )
+        .await;
+    assert!(
+        matches!(deleted_again, Err(Error::SessionDeleted(_))),
+        "{deleted_again:?}"
+    );
+    assert_eq!(counts(&store).await, (2, 2));
+}
 
 async fn appends_number_each_session_from_one_without_gaps(db: TestDb) {
     let store = db.open().await;

@@ -64,7 +64,7 @@ async fn a_database_from_a_newer_keel_is_refused_with_a_message_that_says_so(db:
     assert!(message.contains("upgrade keel"), "{message}");
 }
 
-/// The newest migration rebuilds `session_message` on SQLite (a CHECK cannot change in
+/// The context epoch migration rebuilds `session_message` on SQLite (a CHECK cannot change in
 /// place) under the rows `session_tool` references: taken back and run again on a
 /// database with a whole session in it, every row is still there and still consistent.
 async fn a_populated_database_keeps_every_row_across_the_context_epoch_migration(db: TestDb) {
@@ -355,7 +355,8 @@ async fn a_populated_database_migrated_from_the_initial_schema_keeps_its_rows_an
     use keel_core::store::schema::session_message;
 
     // Newest first: the order they are taken back in.
-    const LATER: [&str; 5] = [
+    const LATER: [&str; 6] = [
+        "2026-12-05-000001_session_count",
         "2026-12-04-000003_tool_rerun",
         "2026-12-04-000002_permission_rule",
         "2026-12-04-000001_context_epoch_system",
@@ -428,6 +429,18 @@ async fn a_populated_database_migrated_from_the_initial_schema_keeps_its_rows_an
 
     let store = Store::open(db.url.clone(), db.options()).await.unwrap();
     let (after, claim_after) = snapshot(&store).await;
+    // The count of sessions not deleted starts from the sessions already there.
+    let live = store
+        .read(|c| {
+            use keel_core::store::schema::session_count;
+            session_count::table
+                .select(session_count::live)
+                .get_result::<i64>(c)
+                .map_err(Error::from)
+        })
+        .await
+        .unwrap();
+    assert_eq!(live, 2);
     assert_eq!(store.read_log(session, 0, u32::MAX).await.unwrap(), log);
     assert_eq!(claim_after, claim);
     assert_eq!(after.session, before.session);

@@ -37,6 +37,18 @@ fixed_query! {
 }
 
 fixed_query! {
+    /// A session was created: one more not deleted.
+    pub(super) struct CountCreated;
+    sql r#"UPDATE "session_count" SET "live" = "live" + 1 WHERE "id" = 1"#
+}
+
+fixed_query! {
+    /// A session was deleted: one fewer not deleted.
+    pub(super) struct CountDeleted;
+    sql r#"UPDATE "session_count" SET "live" = "live" - 1 WHERE "id" = 1"#
+}
+
+fixed_query! {
     pub(super) struct SetDeleted<'a> { id: &'a str, at: i64 }
     sql r#"UPDATE "session" SET "deleted_at" = "# {at: BigInt} r#" WHERE "id" = "# {id: Text}
 }
