@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 use common::{Backend, Database, flags, median, option, percentile, report, runtime};
 use diesel::RunQueryDsl;
 use keel_core::event::log;
-use keel_core::execution;
-use keel_core::inbox::{self, Admission, Boundary};
+use keel_core::inbox::{self, Admission};
 use keel_core::instructions::Instructions;
 use keel_core::provider::Provider;
 use keel_core::provider::scripted::{Item, Response, Script, Scripted};
@@ -25,8 +24,8 @@ use keel_core::runner::{Agent, Live, RetryPolicy, Runner, Settings};
 use keel_core::store::{self, Store};
 use keel_core::tool;
 use keel_schema::event::{DurableEvent, payload};
-use keel_schema::id::{CallId, MessageId, OwnerId, SessionId};
-use keel_schema::types::{Effect, ModelRef, Part, Phase};
+use keel_schema::id::{CallId, OwnerId, SessionId};
+use keel_schema::types::{Effect, ModelRef, Part};
 use serde_json::json;
 
 const LEASE_MS: i64 = 30_000;
@@ -270,26 +269,8 @@ fn abandon_one(
     dead: OwnerId,
     created: DurableEvent,
 ) -> Result<(), store::Error> {
-    let session = SessionId::new();
-    log::append(c, then, session, vec![created])?;
-    inbox::admit(c, then, session, prompt()).map_err(|e| store_error(&e))?;
-    let (claim, _) = execution::acquire(c, then, LEASE_MS, session, dead)?
-        .ok_or_else(|| store_error(&"a new session has no claim yet"))?;
-    inbox::promote(c, then, session, Boundary::Idle).map_err(|e| store_error(&e))?;
-    let assistant = MessageId::new();
-    let started = log::append(
-        c,
-        then,
-        session,
-        vec![DurableEvent::StepStarted(payload::StepStarted {
-            assistant_message_id: assistant,
-            step: 1,
-            agent: "build".into(),
-            model: model(),
-        })],
-    )?;
-    execution::set_phase(c, &claim, Phase::Running, Some((assistant, started[0].seq)))
-        .map_err(|e| store_error(&e))?;
+    let (session, _, assistant) =
+        common::start_first_step(c, then, LEASE_MS, dead, created, prompt(), model())?;
     log::append(
         c,
         then,

@@ -24,13 +24,13 @@ use keel_client::schema::api::ListSessionsQuery;
 use keel_core::config::Config;
 use keel_core::event::log;
 use keel_core::execution;
-use keel_core::inbox::{self, Admission, Boundary};
+use keel_core::inbox::Admission;
 use keel_core::node::{self, Node};
 use keel_core::recovery::Recovery;
 use keel_core::store::{self, DbUrl, Store, Synchronous};
 use keel_schema::event::{DurableEvent, payload};
-use keel_schema::id::{MessageId, OwnerId, SessionId};
-use keel_schema::types::{Finish, ModelRef, Outcome, Part, Phase, Usage};
+use keel_schema::id::OwnerId;
+use keel_schema::types::{Finish, ModelRef, Outcome, Part, Usage};
 use tokio_util::sync::CancellationToken;
 
 const LEASE_MS: i64 = 30_000;
@@ -212,43 +212,22 @@ fn idle_one(
     owner: OwnerId,
     directory: &str,
 ) -> Result<(), store::Error> {
-    let failed = |e: &dyn std::fmt::Display| store::Error::Corrupt(e.to_string());
-    let session = SessionId::new();
+    let model = ModelRef {
+        provider: "demo".into(),
+        id: "demo".into(),
+    };
     let created = DurableEvent::Created(payload::Created {
         title: Some("A stored session".into()),
         directory: directory.to_owned(),
         agent: "build".into(),
-        model: ModelRef {
-            provider: "demo".into(),
-            id: "demo".into(),
-        },
+        model: model.clone(),
         metadata: None,
     });
-    log::append(c, now, session, vec![created])?;
     let prompt = Admission::prompt(vec![Part::Text {
         text: "Explain what this project does and where to start reading.".into(),
     }]);
-    inbox::admit(c, now, session, prompt).map_err(|e| failed(&e))?;
-    let (claim, _) = execution::acquire(c, now, LEASE_MS, session, owner)?
-        .ok_or_else(|| failed(&"a new session has no claim yet"))?;
-    inbox::promote(c, now, session, Boundary::Idle).map_err(|e| failed(&e))?;
-    let assistant = MessageId::new();
-    let started = log::append(
-        c,
-        now,
-        session,
-        vec![DurableEvent::StepStarted(payload::StepStarted {
-            assistant_message_id: assistant,
-            step: 1,
-            agent: "build".into(),
-            model: ModelRef {
-                provider: "demo".into(),
-                id: "demo".into(),
-            },
-        })],
-    )?;
-    execution::set_phase(c, &claim, Phase::Running, Some((assistant, started[0].seq)))
-        .map_err(|e| failed(&e))?;
+    let (session, claim, assistant) =
+        common::start_first_step(c, now, LEASE_MS, owner, created, prompt, model)?;
     let answer = "This project is a durable session engine. Start with the README, then \
                   the architecture document, then the runner's drain and step modules.";
     log::append(
@@ -274,6 +253,6 @@ fn idle_one(
         ],
     )?;
     execution::release(c, now, LEASE_MS, &claim, Outcome::Succeeded, None)
-        .map_err(|e| failed(&e))?;
+        .map_err(|e| store::Error::Corrupt(e.to_string()))?;
     Ok(())
 }

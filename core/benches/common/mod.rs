@@ -5,7 +5,13 @@
 
 use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection};
-use keel_core::store::{DbUrl, Options, Store, Synchronous};
+use keel_core::event::log;
+use keel_core::execution::{self, Claim};
+use keel_core::inbox::{self, Admission, Boundary};
+use keel_core::store::{self, DbUrl, Options, Store, Synchronous};
+use keel_schema::event::{DurableEvent, payload};
+use keel_schema::id::{MessageId, OwnerId, SessionId};
+use keel_schema::types::{ModelRef, Phase};
 use serde_json::json;
 
 /// The PostgreSQL server `--postgres` measures: trust authentication on loopback.
@@ -187,4 +193,41 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("starting the benchmark runtime")
+}
+
+/// Writes a new session as a runner leaves it one step in: `created`, `prompt` admitted
+/// and promoted, a claim of `owner` (lease `lease_ms`) in phase `running`, and its first
+/// step started with `model`. Returns the session, the claim and the step's assistant
+/// message, for the caller to go on from (an abandoned step, a finished one).
+pub fn start_first_step(
+    c: &mut store::Conn,
+    now: i64,
+    lease_ms: i64,
+    owner: OwnerId,
+    created: DurableEvent,
+    prompt: Admission,
+    model: ModelRef,
+) -> Result<(SessionId, Claim, MessageId), store::Error> {
+    let failed = |e: &dyn std::fmt::Display| store::Error::Corrupt(e.to_string());
+    let session = SessionId::new();
+    log::append(c, now, session, vec![created])?;
+    inbox::admit(c, now, session, prompt).map_err(|e| failed(&e))?;
+    let (claim, _) = execution::acquire(c, now, lease_ms, session, owner)?
+        .ok_or_else(|| failed(&"a new session has no claim yet"))?;
+    inbox::promote(c, now, session, Boundary::Idle).map_err(|e| failed(&e))?;
+    let assistant = MessageId::new();
+    let started = log::append(
+        c,
+        now,
+        session,
+        vec![DurableEvent::StepStarted(payload::StepStarted {
+            assistant_message_id: assistant,
+            step: 1,
+            agent: "build".into(),
+            model,
+        })],
+    )?;
+    execution::set_phase(c, &claim, Phase::Running, Some((assistant, started[0].seq)))
+        .map_err(|e| failed(&e))?;
+    Ok((session, claim, assistant))
 }
