@@ -585,12 +585,7 @@ impl<'a> Step<'a> {
         };
         let mut item = first;
         let next = loop {
-            // When the event arrived: its deltas carry that time to the client.
-            let (event, arrived) = match item {
-                Some((event, arrived)) => (Some(event), arrived),
-                None => (None, self.engine.now()),
-            };
-            match event {
+            match item {
                 // Ended before saying anything: cut short, retried like one.
                 None if !said => {
                     break self.retry_or_fail(
@@ -599,11 +594,15 @@ impl<'a> Step<'a> {
                     );
                 }
                 None => break Response::Over(Over::Ended),
-                Some(Err(e @ provider::Error::ContextOverflow(_))) if !said && !self.compacted => {
+                Some((Err(e @ provider::Error::ContextOverflow(_)), _))
+                    if !said && !self.compacted =>
+                {
                     break Response::Overflowed(e);
                 }
-                Some(Err(e)) => break self.retry_or_fail(e, said),
-                Some(Ok(event)) => match self.translator.accept(event) {
+                Some((Err(e), _)) => break self.retry_or_fail(e, said),
+                // `arrived`: when the event arrived; its deltas carry that time to the
+                // client.
+                Some((Ok(event), arrived)) => match self.translator.accept(event) {
                     Err(e) => break Response::Over(Over::Failed(e)),
                     Ok(actions) => {
                         said = true;
