@@ -16,6 +16,8 @@ type Data<T extends Envelope["type"]> = Extract<Envelope, { type: T }>["data"];
 interface Fragment {
   element: HTMLElement;
   text: string;
+  /** Its `*.ended` was applied: the text is final, and a late delta changes nothing. */
+  ended: boolean;
 }
 
 interface ToolCard {
@@ -66,7 +68,10 @@ export class Conversation {
       case "session.next.reasoning.delta": {
         const kind = event.type === "session.next.text.delta" ? "text" : "reasoning";
         const fragment = this.fragments.get(key(event.data.assistant_message_id, event.data.ordinal, kind));
-        if (!fragment) return;
+        // A delta can reach the page after its fragment's end: the stream sends the log
+        // from the database when it catches up, and the delta published before that end
+        // only afterwards. The ended text is the truth.
+        if (!fragment || fragment.ended) return;
         fragment.text += event.data.delta;
         fragment.element.textContent = fragment.text;
         fragment.element.classList.add("streaming");
@@ -247,7 +252,7 @@ export class Conversation {
   private fragmentStarted(seq: number, message: string, ordinal: number, kind: "text" | "reasoning"): void {
     const body = h("div", { class: kind === "text" ? "text markdown" : "reasoning-text" });
     const element = kind === "text" ? body : h("details", { class: "reasoning" }, h("summary", {}, "Reasoning"), body);
-    this.fragments.set(key(message, ordinal, kind), { element: body, text: "" });
+    this.fragments.set(key(message, ordinal, kind), { element: body, text: "", ended: false });
     this.add(seq, element, this.step(message));
   }
 
@@ -255,6 +260,7 @@ export class Conversation {
     const fragment = this.fragments.get(key(message, ordinal, kind));
     if (!fragment) return;
     fragment.text = text;
+    fragment.ended = true;
     fragment.element.classList.remove("streaming");
     fragment.element.replaceChildren(kind === "text" ? markdown(text) : text);
   }
