@@ -83,9 +83,14 @@ impl Runner {
         self.engine().live.subscribe()
     }
 
-    /// Live events of one session, serialized.
-    pub fn follow(&self, session: SessionId) -> broadcast::Receiver<Arc<live::Published>> {
-        self.engine().live.follow(session)
+    /// Live events of one session, serialized; `committed` is a seq of its log known to
+    /// be committed ([`live::Hub::follow`]).
+    pub fn follow(
+        &self,
+        session: SessionId,
+        committed: u64,
+    ) -> broadcast::Receiver<Arc<live::Published>> {
+        self.engine().live.follow(session, committed)
     }
 
     /// Forwards wakes for sessions another node holds through `forwarder` (set once).

@@ -43,6 +43,12 @@ const SESSION_CAPACITY: usize = 256;
 pub struct Published {
     /// The seq of a durable event; `None` for an ephemeral one.
     pub seq: Option<u64>,
+    /// For an ephemeral event, the seq of the last durable event of its session published
+    /// before it (or known committed when the session was first followed). A follower
+    /// that has already sent a later durable event (read from the log) drops it: the
+    /// event is behind what the follower has shown, say a delta of a text whose end went
+    /// out already.
+    pub follows: u64,
     /// The event as JSON: an envelope, or an ephemeral envelope.
     pub json: String,
 }
@@ -73,8 +79,14 @@ struct Queue {
 /// the session's next event, or by a sweep once the map has doubled since the last one.
 #[derive(Default)]
 struct Followed {
-    channels: HashMap<SessionId, broadcast::Sender<Arc<Published>>>,
+    channels: HashMap<SessionId, Channel>,
     sweep_at: usize,
+}
+
+/// A followed session's channel, and the last durable seq published through it.
+struct Channel {
+    sender: broadcast::Sender<Arc<Published>>,
+    last_seq: u64,
 }
 
 impl Default for Hub {
@@ -93,18 +105,27 @@ impl Hub {
         self.all.subscribe()
     }
 
-    /// The events of `session`, from now on.
-    pub fn follow(&self, session: SessionId) -> broadcast::Receiver<Arc<Published>> {
+    /// The events of `session`, from now on. `committed` is a seq of its log known to be
+    /// committed (its last, read before following): ephemeral events published before
+    /// any later durable one count as following it ([`Published::follows`]).
+    pub fn follow(
+        &self,
+        session: SessionId,
+        committed: u64,
+    ) -> broadcast::Receiver<Arc<Published>> {
         let mut followed = lock(&self.sessions);
         if followed.channels.len() >= followed.sweep_at {
-            followed.channels.retain(|_, s| s.receiver_count() > 0);
+            followed
+                .channels
+                .retain(|_, c| c.sender.receiver_count() > 0);
             followed.sweep_at = (2 * followed.channels.len()).max(64);
         }
-        followed
-            .channels
-            .entry(session)
-            .or_insert_with(|| broadcast::channel(SESSION_CAPACITY).0)
-            .subscribe()
+        let channel = followed.channels.entry(session).or_insert_with(|| Channel {
+            sender: broadcast::channel(SESSION_CAPACITY).0,
+            last_seq: 0,
+        });
+        channel.last_seq = channel.last_seq.max(committed);
+        channel.sender.subscribe()
     }
 
     /// Hands `live` to every subscriber and to the followers of its session, after
@@ -169,15 +190,16 @@ impl Hub {
                 match queue.commits.pop_front() {
                     Some(durable) => durable,
                     None => {
-                        // Published under the lock, so that nothing published meanwhile
-                        // overtakes the queue.
+                        // Published under the lock, and counted out only after, so that
+                        // nothing published meanwhile overtakes the queue: `publish` skips
+                        // the lock only once no queue is counted.
                         let queue = waiting.remove(&session).unwrap_or_default();
-                        self.waiting.count.fetch_sub(1, Ordering::Release);
                         for live in queue.events {
                             if synced || matches!(live, Live::Ephemeral(_)) {
                                 self.send(live);
                             }
                         }
+                        self.waiting.count.fetch_sub(1, Ordering::Release);
                         return;
                     }
                 }
@@ -190,30 +212,33 @@ impl Hub {
     }
 
     fn send(&self, live: Live) {
-        let (session, seq) = match &live {
-            Live::Durable(envelope) | Live::Remote(envelope) => {
-                (envelope.session_id, Some(envelope.seq))
-            }
-            Live::Ephemeral(event) => (event.session_id, None),
+        let session = session_of(&live);
+        let seq = match &live {
+            Live::Durable(envelope) | Live::Remote(envelope) => Some(envelope.seq),
+            Live::Ephemeral(_) => None,
         };
         let followers = {
             let mut followed = lock(&self.sessions);
-            match followed.channels.get(&session) {
-                Some(sender) if sender.receiver_count() == 0 => {
+            match followed.channels.get_mut(&session) {
+                Some(channel) if channel.sender.receiver_count() == 0 => {
                     followed.channels.remove(&session);
                     None
                 }
-                other => other.cloned(),
+                Some(channel) => {
+                    channel.last_seq = channel.last_seq.max(seq.unwrap_or(0));
+                    Some((channel.sender.clone(), channel.last_seq))
+                }
+                None => None,
             }
         };
-        if let Some(followers) = followers {
+        if let Some((followers, follows)) = followers {
             let json = match &live {
                 Live::Durable(envelope) | Live::Remote(envelope) => envelope_json(envelope),
                 Live::Ephemeral(event) => serde_json::to_string(event).ok(),
             };
             if let Some(json) = json {
                 // A follower that left meanwhile is fine.
-                drop(followers.send(Arc::new(Published { seq, json })));
+                drop(followers.send(Arc::new(Published { seq, follows, json })));
             }
         }
         // No subscriber is fine too.
@@ -245,13 +270,13 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use keel_schema::event::{DurableEvent, EphemeralEnvelope, EphemeralEvent, payload};
     use keel_schema::id::{EventId, MessageId};
 
     use super::*;
 
-    fn durable(session: SessionId, seq: u64) -> Live {
+    pub(crate) fn durable(session: SessionId, seq: u64) -> Live {
         Live::Durable(Envelope {
             id: EventId::new(),
             session_id: session,
@@ -263,7 +288,7 @@ mod tests {
         })
     }
 
-    fn delta(session: SessionId) -> Live {
+    pub(crate) fn delta(session: SessionId) -> Live {
         Live::Ephemeral(EphemeralEnvelope {
             session_id: session,
             time: 1,
@@ -280,8 +305,8 @@ mod tests {
         let hub = Hub::default();
         let (mine, other) = (SessionId::new(), SessionId::new());
         let mut all = hub.subscribe();
-        let mut first = hub.follow(mine);
-        let mut second = hub.follow(mine);
+        let mut first = hub.follow(mine, 0);
+        let mut second = hub.follow(mine, 0);
         hub.publish(durable(other, 1));
         hub.publish(durable(mine, 7));
         hub.publish(delta(mine));
@@ -321,8 +346,8 @@ mod tests {
     async fn a_deferred_commits_events_go_out_once_on_disk_and_what_follows_waits_behind() {
         let hub = Hub::default();
         let (mine, other) = (SessionId::new(), SessionId::new());
-        let mut follower = hub.follow(mine);
-        let mut others = hub.follow(other);
+        let mut follower = hub.follow(mine, 0);
+        let mut others = hub.follow(other, 0);
         let (synced, on_disk) = tokio::sync::oneshot::channel();
         hub.publish_when_durable(
             mine,
@@ -348,11 +373,37 @@ mod tests {
         assert_eq!(received(&mut follower).await, [Some(8)], "no longer held");
     }
 
+    /// The released queue and an event published while it goes out race on two threads;
+    /// the event must come after the whole queue, every time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_event_published_while_a_queue_is_released_goes_out_after_it() {
+        let hub = Hub::default();
+        let session = SessionId::new();
+        let mut all = hub.subscribe();
+        let (mut seq, mut received) = (0, 0);
+        for _ in 0..2_000 {
+            let (synced, on_disk) = tokio::sync::oneshot::channel();
+            let queued = (1..=8).map(|i| durable(session, seq + i)).collect();
+            hub.publish_when_durable(session, queued, Durable::later(on_disk));
+            synced.send(Ok(())).unwrap();
+            tokio::task::yield_now().await;
+            hub.publish(durable(session, seq + 9));
+            seq += 9;
+            while received < seq {
+                let Ok(Live::Durable(envelope)) = all.recv().await else {
+                    panic!("only durable events are published");
+                };
+                received += 1;
+                assert_eq!(envelope.seq, received, "published out of order");
+            }
+        }
+    }
+
     #[tokio::test]
     async fn events_whose_sync_failed_are_left_to_the_log() {
         let hub = Hub::default();
         let session = SessionId::new();
-        let mut follower = hub.follow(session);
+        let mut follower = hub.follow(session, 0);
         let (synced, on_disk) = tokio::sync::oneshot::channel();
         hub.publish_when_durable(session, vec![durable(session, 2)], Durable::later(on_disk));
         hub.publish(delta(session));
@@ -364,7 +415,7 @@ mod tests {
     fn a_session_nobody_follows_any_more_is_forgotten() {
         let hub = Hub::default();
         let session = SessionId::new();
-        drop(hub.follow(session));
+        drop(hub.follow(session, 0));
         hub.publish(durable(session, 1));
         assert!(lock(&hub.sessions).channels.is_empty());
     }

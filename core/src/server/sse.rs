@@ -6,7 +6,9 @@
 //! history is read. A live durable event goes out as published when it is the next seq
 //! after the last one sent; any other gap makes the stream read the log past that seq,
 //! so a reconnect at any point yields every durable event exactly once, in order. A
-//! periodic catch-up read covers anything a notification missed.
+//! periodic catch-up read covers anything a notification missed. Ephemeral events keep
+//! the session's publish order too: one published before a durable event the stream has
+//! already sent from the log is dropped ([`route`]).
 //!
 //! `GET /api/event`: live events of all sessions. Each subscriber has a bounded queue; one
 //! that falls behind is sent `event: lagged` and disconnected, never silently skipped.
@@ -24,7 +26,7 @@ use tokio::sync::{broadcast, mpsc};
 use super::extract::SessionPath;
 use super::{ApiError, AppState};
 use crate::runner::Live;
-use crate::runner::live::envelope_json;
+use crate::runner::live::{Published, envelope_json};
 
 /// An event stream, with `X-Accel-Buffering: no` so a reverse proxy that buffers
 /// responses (nginx) passes each event on at once.
@@ -84,12 +86,12 @@ pub async fn session_log(
         .transpose()?;
     let after = resume.or(query.after).unwrap_or(0);
     let follow = query.follow.unwrap_or(true);
-    if state.store.last_seq(id).await?.is_none() {
+    let Some(committed) = state.store.last_seq(id).await? else {
         return Err(ApiError::not_found(format!("no session {id}")));
-    }
+    };
 
     // Subscribe before reading the history, so nothing committed meanwhile is missed.
-    let mut live = state.runner.follow(id);
+    let mut live = state.runner.follow(id, committed);
     let (tx, rx) = mpsc::channel(256);
     let heartbeat = state.heartbeat;
     let store = state.store.clone();
@@ -147,22 +149,20 @@ pub async fn session_log(
                 item = live.recv() => match item {
                     // The next durable event goes out as published; a later one means
                     // something was missed, and the log has it.
-                    Ok(published) => match published.seq {
-                        Some(seq) if seq == last + 1 => {
-                            let event = Event::default().id(seq.to_string()).data(&published.json);
+                    Ok(published) => match route(&published, last, ephemeral) {
+                        Route::Send => {
+                            let mut event = Event::default().data(&published.json);
+                            if let Some(seq) = published.seq {
+                                event = event.id(seq.to_string());
+                                last = seq;
+                            }
                             if tx.send(event).await.is_err() {
                                 return;
                             }
-                            last = seq;
                             false
                         }
-                        Some(seq) => seq > last,
-                        None => {
-                            if ephemeral && tx.send(Event::default().data(&published.json)).await.is_err() {
-                                return;
-                            }
-                            false
-                        }
+                        Route::Skip => false,
+                        Route::CatchUp => true,
                     },
                     Err(broadcast::error::RecvError::Lagged(_)) => true,
                     Err(broadcast::error::RecvError::Closed) => return,
@@ -179,6 +179,30 @@ pub async fn session_log(
         }
     });
     Ok(stream(rx, heartbeat))
+}
+
+/// What a log stream does with a live event, given the last durable seq it sent.
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    Send,
+    Skip,
+    /// Something was missed: the log has it.
+    CatchUp,
+}
+
+/// The next durable event goes out as published; a later one means something was
+/// missed. An ephemeral event goes out only while the stream has sent nothing past the
+/// durable event it follows: once a catch-up read has sent a later one (a fragment's
+/// end, say), a delta published before that event reached the stream is behind what
+/// the client has, and the durable event already carries its content.
+fn route(published: &Published, last: u64, ephemeral: bool) -> Route {
+    match published.seq {
+        Some(seq) if seq == last + 1 => Route::Send,
+        Some(seq) if seq > last => Route::CatchUp,
+        Some(_) => Route::Skip,
+        None if ephemeral && published.follows >= last => Route::Send,
+        None => Route::Skip,
+    }
 }
 
 /// Events a `/api/event` subscriber may have waiting before it counts as fallen behind.
@@ -230,4 +254,73 @@ pub async fn events(State(state): State<AppState>) -> Events {
         }
     });
     stream(rx, state.heartbeat)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use keel_schema::id::SessionId;
+
+    use super::*;
+    use crate::runner::live::Hub;
+    use crate::runner::live::tests::{delta, durable};
+
+    /// What a stream whose catch-up read reached `last` does with each live event.
+    fn routes(live: &mut broadcast::Receiver<Arc<Published>>, mut last: u64) -> Vec<Route> {
+        let mut routes = Vec::new();
+        while let Ok(published) = live.try_recv() {
+            let route = route(&published, last, true);
+            if route == Route::Send
+                && let Some(seq) = published.seq
+            {
+                last = seq;
+            }
+            routes.push(route);
+        }
+        routes
+    }
+
+    #[test]
+    fn a_delta_published_before_a_durable_event_the_stream_already_sent_is_dropped() {
+        let hub = Hub::default();
+        let session = SessionId::new();
+        // Seq 4 is committed when the stream opens; its catch-up read then finds 5 too,
+        // committed before the delta that was published ahead of it reached the stream.
+        let mut live = hub.follow(session, 4);
+        hub.publish(delta(session));
+        hub.publish(durable(session, 5));
+        hub.publish(delta(session));
+        assert_eq!(
+            routes(&mut live, 5),
+            [Route::Skip, Route::Skip, Route::Send],
+            "the delta behind seq 5 is dropped, seq 5 is not sent twice, the next delta goes out",
+        );
+    }
+
+    #[test]
+    fn a_stream_in_step_with_the_hub_sends_everything_in_order() {
+        let hub = Hub::default();
+        let session = SessionId::new();
+        let mut live = hub.follow(session, 4);
+        hub.publish(delta(session));
+        hub.publish(durable(session, 5));
+        hub.publish(delta(session));
+        hub.publish(durable(session, 7));
+        assert_eq!(
+            routes(&mut live, 4),
+            [Route::Send, Route::Send, Route::Send, Route::CatchUp],
+        );
+    }
+
+    #[test]
+    fn a_stream_without_ephemeral_events_skips_them() {
+        let published = Published {
+            seq: None,
+            follows: 3,
+            json: String::new(),
+        };
+        assert_eq!(route(&published, 3, false), Route::Skip);
+        assert_eq!(route(&published, 3, true), Route::Send);
+    }
 }
