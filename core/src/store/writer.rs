@@ -2,15 +2,19 @@
 //!
 //! Writes arrive on a bounded channel. The thread takes the first, then every write
 //! already waiting (up to the batch limit), begins one transaction (`BEGIN IMMEDIATE` on
-//! SQLite, so it never fails to upgrade a read lock), runs each write in its own savepoint
-//! (prepared statements, see [`in_savepoint`]), commits, and only then tells each caller
-//! its result. A write whose closure fails rolls back to its savepoint and leaves the
-//! others intact; a failed commit fails them all.
+//! SQLite, so it never fails to upgrade a read lock), runs the writes, commits, and only
+//! then tells each caller its result. A write whose closure fails leaves the others
+//! intact; a failed commit fails them all.
 //!
-//! A batch of one write needs no savepoint: if it fails, the whole transaction is rolled
-//! back instead, which undoes exactly that write. Writes arriving one at a time (a single
-//! session's runner, say) are the common case, and the two statements saved are a good
-//! share of such a write's cost.
+//! Writes rarely fail, so a batch first runs them plainly, one after another. Should one
+//! fail, the transaction is rolled back (undoing whatever that write had done), and the
+//! batch runs again with each write in its own savepoint (prepared statements, see
+//! [`in_savepoint`]), where a failing write rolls back to its savepoint alone. The two
+//! statements a savepoint costs are a good share of a write (an append is four
+//! statements), so they are paid only by a batch that needs them. A batch of one write
+//! never needs them: rolling the transaction back undoes exactly that write. Running a
+//! batch again relies on what conflicts rely on too (below): a write is a closure that
+//! may run more than once.
 //!
 //! When the transaction cannot even begin (the database dropped the connection: a
 //! restart, a failover), no write has run, so the writer reconnects, waiting for the
@@ -498,14 +502,16 @@ enum Ran {
     NotBegun(Vec<Job>, String),
 }
 
-/// How one attempt at a batch ended. Every variant but `Conflict` and `NotBegun` has
-/// ended the transaction for good.
+/// How one attempt at a batch ended. Every variant but `WriteFailed`, `Conflict` and
+/// `NotBegun` has ended the transaction for good.
 enum Attempt {
     Committed,
     /// The commit failed: no write happened.
     CommitFailed(String),
-    /// The batch's only write failed and the transaction was rolled back.
-    AloneFailed,
+    /// A write failed outside a savepoint and the transaction was rolled back: the end of
+    /// a batch of one write (its caller hears its own error), else the batch runs again
+    /// with savepoints.
+    WriteFailed,
     /// A failpoint rolled the transaction back.
     Failpoint,
     /// The write at this index panicked; everything was rolled back.
@@ -530,8 +536,10 @@ fn run_batch(
         .then(|| total_changes(connection))
         .flatten();
     let mut attempt = 1;
+    let mut savepoints = false;
     let ended = loop {
-        match attempt_batch(connection, &mut batch, fail, conflicts) {
+        match attempt_batch(connection, &mut batch, fail, conflicts, savepoints) {
+            Attempt::WriteFailed if batch.len() > 1 => savepoints = true,
             Attempt::Conflict(message) if attempt < CONFLICT_ATTEMPTS => {
                 tracing::warn!(%message, attempt, writes = batch.len(), "write batch conflicted with another transaction; running it again");
                 std::thread::sleep(conflict_pause(attempt));
@@ -553,7 +561,7 @@ fn run_batch(
         context.committed(&mut batch, wrote);
     }
     let failure = match ended {
-        Attempt::Committed | Attempt::AloneFailed => None,
+        Attempt::Committed | Attempt::WriteFailed => None,
         Attempt::CommitFailed(message) => Some(message),
         Attempt::Failpoint => Some("a failpoint made this commit fail".to_owned()),
         Attempt::Conflict(message) => {
@@ -581,12 +589,14 @@ fn run_batch(
     Ran::Carry(Vec::new())
 }
 
-/// Runs every write of `batch` in one transaction and commits it.
+/// Runs every write of `batch` in one transaction, each in its own savepoint when
+/// `savepoints`, and commits it.
 fn attempt_batch(
     connection: &mut Conn,
     batch: &mut [Job],
     fail: bool,
     conflicts: &Conflicts,
+    savepoints: bool,
 ) -> Attempt {
     let began = match connection {
         Conn::Sqlite(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE"),
@@ -597,16 +607,12 @@ fn attempt_batch(
     }
     conflicts.take();
 
-    let savepoints = batch.len() > 1;
-    let mut alone_failed = false;
     for (index, job) in batch.iter_mut().enumerate() {
-        match catch_unwind(AssertUnwindSafe(|| job.run(connection, savepoints))) {
-            Ok(succeeded) => alone_failed = !savepoints && !succeeded,
-            Err(_) => {
-                rollback_all(connection);
-                return Attempt::Panicked(index);
-            }
-        }
+        let Ok(succeeded) = catch_unwind(AssertUnwindSafe(|| job.run(connection, savepoints)))
+        else {
+            rollback_all(connection);
+            return Attempt::Panicked(index);
+        };
         if conflicts.take() {
             // The transaction is doomed, and holds locks the other one waits for.
             rollback_all(connection);
@@ -615,14 +621,13 @@ fn attempt_batch(
                     .to_owned(),
             );
         }
+        if !succeeded && !savepoints {
+            // Undoing the transaction undoes what the failed write did.
+            rollback_all(connection);
+            return Attempt::WriteFailed;
+        }
     }
 
-    if alone_failed {
-        // The only write failed without a savepoint: undoing the transaction undoes it,
-        // and its caller hears its own error.
-        rollback_all(connection);
-        return Attempt::AloneFailed;
-    }
     if fail {
         rollback_all(connection);
         return Attempt::Failpoint;
@@ -764,28 +769,33 @@ mod tests {
             .collect()
     }
 
-    /// A write inserting `x` whose first `conflicting` runs end as a statement the
-    /// database aborted for a conflict would; counts its runs.
-    fn job(
-        x: i32,
-        conflicting: u32,
-        conflicts: &Conflicts,
-    ) -> (Job, Arc<AtomicU32>, oneshot::Receiver<Result<(), Error>>) {
-        let runs = Arc::new(AtomicU32::new(0));
+    type Outcome = oneshot::Receiver<Result<(), Error>>;
+
+    /// `write` as the writer's job, with where its caller hears the outcome.
+    fn pending(
+        write: impl FnMut(&mut Conn) -> Result<(), Error> + Send + 'static,
+    ) -> (Job, Outcome) {
         let (reply, outcome) = oneshot::channel();
-        let (counted, conflicts) = (runs.clone(), conflicts.clone());
-        let write = move |c: &mut Conn| -> Result<(), Error> {
-            diesel::sql_query(format!("INSERT INTO t (x) VALUES ({x})")).execute(c)?;
-            if counted.fetch_add(1, Ordering::SeqCst) < conflicting {
-                conflicts.0.store(true, Ordering::SeqCst);
-            }
-            Ok(())
-        };
         let job: Job = Box::new(Pending {
             write,
             result: None,
             reply,
             deferred: None,
+        });
+        (job, outcome)
+    }
+
+    /// A write inserting `x` whose first `conflicting` runs end as a statement the
+    /// database aborted for a conflict would; counts its runs.
+    fn job(x: i32, conflicting: u32, conflicts: &Conflicts) -> (Job, Arc<AtomicU32>, Outcome) {
+        let runs = Arc::new(AtomicU32::new(0));
+        let (counted, conflicts) = (runs.clone(), conflicts.clone());
+        let (job, outcome) = pending(move |c| {
+            diesel::sql_query(format!("INSERT INTO t (x) VALUES ({x})")).execute(c)?;
+            if counted.fetch_add(1, Ordering::SeqCst) < conflicting {
+                conflicts.0.store(true, Ordering::SeqCst);
+            }
+            Ok(())
         });
         (job, runs, outcome)
     }
@@ -800,6 +810,54 @@ mod tests {
             stats: &stats,
         };
         run_batch(connection, batch, false, conflicts, &mut context)
+    }
+
+    /// A write inserting `x` that then fails; counts its runs.
+    fn failing_job(x: i32) -> (Job, Arc<AtomicU32>, Outcome) {
+        let runs = Arc::new(AtomicU32::new(0));
+        let counted = runs.clone();
+        let (job, outcome) = pending(move |c| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            diesel::sql_query(format!("INSERT INTO t (x) VALUES ({x})")).execute(c)?;
+            diesel::sql_query("SELECT nothing FROM missing").execute(c)?;
+            Ok(())
+        });
+        (job, runs, outcome)
+    }
+
+    #[test]
+    fn a_failing_write_is_undone_alone_and_the_batch_runs_again_with_savepoints() {
+        let mut connection = connection();
+        let conflicts = Conflicts::default();
+        let (first, first_runs, first_outcome) = job(1, 0, &conflicts);
+        let (failing, failing_runs, failing_outcome) = failing_job(2);
+        let (third, third_runs, third_outcome) = job(3, 0, &conflicts);
+        let ran = run_synced(&mut connection, vec![first, failing, third], &conflicts);
+        assert!(matches!(ran, Ran::Carry(carried) if carried.is_empty()));
+        // The plain run stopped at the failure; the run with savepoints ran them all.
+        assert_eq!(first_runs.load(Ordering::SeqCst), 2);
+        assert_eq!(failing_runs.load(Ordering::SeqCst), 2);
+        assert_eq!(third_runs.load(Ordering::SeqCst), 1);
+        assert!(matches!(first_outcome.blocking_recv(), Ok(Ok(()))));
+        assert!(matches!(failing_outcome.blocking_recv(), Ok(Err(_))));
+        assert!(matches!(third_outcome.blocking_recv(), Ok(Ok(()))));
+        assert_eq!(
+            rows(&mut connection),
+            [1, 3],
+            "the failed write left nothing"
+        );
+    }
+
+    #[test]
+    fn a_failing_write_alone_is_rolled_back_and_runs_once() {
+        let mut connection = connection();
+        let conflicts = Conflicts::default();
+        let (failing, runs, outcome) = failing_job(2);
+        let ran = run_synced(&mut connection, vec![failing], &conflicts);
+        assert!(matches!(ran, Ran::Carry(carried) if carried.is_empty()));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert!(matches!(outcome.blocking_recv(), Ok(Err(_))));
+        assert!(rows(&mut connection).is_empty());
     }
 
     #[test]
