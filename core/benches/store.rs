@@ -64,21 +64,36 @@ async fn single(plan: &Plan, backend: Backend) -> f64 {
 /// Events per second with one task per session appending one event at a time, all at once:
 /// the writer commits what is waiting together. Also returns the writes per transaction.
 async fn group(plan: &Plan, backend: Backend) -> (f64, f64) {
+    group_on_nodes(plan, backend, 1).await
+}
+
+/// [`group`] with the sessions shared round-robin among `nodes` stores opened on the same
+/// database, each with its own writer and connection, as that many nodes have.
+async fn group_on_nodes(plan: &Plan, backend: Backend, nodes: usize) -> (f64, f64) {
     let database = Database::new(backend);
-    let store = database.open().await;
-    let mut sessions = Vec::new();
-    for _ in 0..plan.group_sessions {
-        let session = SessionId::new();
-        store.append(session, vec![created()]).await.unwrap();
-        sessions.push(session);
+    let mut stores = Vec::new();
+    for _ in 0..nodes {
+        stores.push(database.open().await);
     }
-    let (batches_before, writes_before) = store.stats();
+    let mut sessions = Vec::new();
+    for n in 0..plan.group_sessions {
+        let session = SessionId::new();
+        let store = stores[n % nodes].clone();
+        store.append(session, vec![created()]).await.unwrap();
+        sessions.push((session, store));
+    }
+    let stats = |stores: &[keel_core::store::Store]| {
+        stores
+            .iter()
+            .map(keel_core::store::Store::stats)
+            .fold((0, 0), |(b, w), (sb, sw)| (b + sb, w + sw))
+    };
+    let (batches_before, writes_before) = stats(&stores);
     let per_session = plan.group_events_per_session;
     let start = Instant::now();
     let tasks: Vec<_> = sessions
         .into_iter()
-        .map(|session| {
-            let store = store.clone();
+        .map(|(session, store)| {
             tokio::spawn(async move {
                 for n in 0..per_session {
                     store.append(session, vec![renamed(n)]).await.unwrap();
@@ -90,7 +105,7 @@ async fn group(plan: &Plan, backend: Backend) -> (f64, f64) {
         task.await.unwrap();
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let (batches, writes) = store.stats();
+    let (batches, writes) = stats(&stores);
     let per_batch = (writes - writes_before) as f64 / (batches - batches_before) as f64;
     (
         (plan.group_sessions * per_session) as f64 / elapsed,
@@ -135,27 +150,83 @@ where
 
 impl<C> RunQueryDsl<C> for RawInsert<'_> {}
 
-/// Inserts `$total` rows, `$per_commit` per transaction begun by `$begin`, the rows going
-/// round-robin to `$sessions` sessions' logs, and returns rows per second. A macro, not a
-/// function: the two connection types share no trait with both transaction methods.
+/// Several rows of the raw ceiling's log in one statement (`INSERT … VALUES (…), (…)`):
+/// the fewest statements, and on PostgreSQL the fewest round trips, the driver allows
+/// for rows whose values it binds. Its SQL depends on the row count, so diesel caches
+/// it by its text.
+struct RawRows<'a> {
+    rows: &'a [(String, i64, String)],
+    data: &'a str,
+}
+
+impl QueryId for RawRows<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<DB> QueryFragment<DB> for RawRows<'_>
+where
+    DB: DieselBackend + HasSqlType<BigInt> + HasSqlType<Text>,
+    i64: ToSql<BigInt, DB>,
+    str: ToSql<Text, DB>,
+    String: ToSql<Text, DB>,
+{
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO event (session_id, seq, id, type, version, data, time) VALUES ");
+        for (n, (session_id, seq, id)) in self.rows.iter().enumerate() {
+            out.push_sql(if n == 0 { "(" } else { ", (" });
+            out.push_bind_param::<Text, _>(session_id)?;
+            out.push_sql(", ");
+            out.push_bind_param::<BigInt, _>(seq)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(id)?;
+            out.push_sql(", 'session.next.renamed', 1, ");
+            out.push_bind_param::<Text, _>(self.data)?;
+            out.push_sql(", 0)");
+        }
+        Ok(())
+    }
+}
+
+impl<C> RunQueryDsl<C> for RawRows<'_> {}
+
+/// Inserts `$total` rows, `$per_commit` per transaction begun by `$begin` and
+/// `$per_statement` per statement, the rows going round-robin to `$sessions` sessions'
+/// logs, and returns rows per second. A macro, not a function: the two connection types
+/// share no trait with both transaction methods.
 macro_rules! insert_loop {
-    ($connection:expr, $per_commit:expr, $total:expr, $sessions:expr, $begin:ident) => {{
+    ($connection:expr, $per_commit:expr, $per_statement:expr, $total:expr, $sessions:expr, $begin:ident) => {{
         let data = json!({"title": "title 1"}).to_string();
         let sessions: Vec<String> = (0..$sessions).map(|n| format!("ses_bench_{n:03}")).collect();
+        let row_of = |row: usize| {
+            (
+                sessions[row % sessions.len()].clone(),
+                i64::try_from(row / sessions.len() + 1).unwrap(),
+                format!("evt_{row}"),
+            )
+        };
         let start = Instant::now();
         let mut row = 0usize;
         while row < $total {
             $connection
                 .$begin::<_, diesel::result::Error, _>(|c| {
-                    for _ in 0..$per_commit {
-                        RawInsert {
-                            session_id: &sessions[row % sessions.len()],
-                            seq: i64::try_from(row / sessions.len() + 1).unwrap(),
-                            id: &format!("evt_{row}"),
-                            data: &data,
+                    let end = (row + $per_commit).min($total);
+                    while row < end {
+                        let next = (row + $per_statement).min(end);
+                        if next - row == 1 {
+                            let (session_id, seq, id) = row_of(row);
+                            RawInsert {
+                                session_id: &session_id,
+                                seq,
+                                id: &id,
+                                data: &data,
+                            }
+                            .execute(c)?;
+                        } else {
+                            let rows: Vec<_> = (row..next).map(row_of).collect();
+                            RawRows { rows: &rows, data: &data }.execute(c)?;
                         }
-                        .execute(c)?;
-                        row += 1;
+                        row = next;
                     }
                     Ok(())
                 })
@@ -172,7 +243,12 @@ const RAW_TABLE: &str = "CREATE TABLE event (session_id TEXT NOT NULL, seq BIGIN
 /// Rows per second inserted through the same diesel driver with Keel's settings and an
 /// event-sized row, `per_commit` rows per transaction, spread over `sessions` sessions:
 /// the ceiling for the same durability.
-fn raw(backend: Backend, per_commit: usize, total: usize, sessions: usize) -> f64 {
+fn raw(
+    backend: Backend,
+    (per_commit, per_statement): (usize, usize),
+    total: usize,
+    sessions: usize,
+) -> f64 {
     let database = Database::new(backend);
     match (&database.url, backend) {
         (DbUrl::Sqlite(path), Backend::Sqlite(synchronous)) => {
@@ -190,6 +266,7 @@ fn raw(backend: Backend, per_commit: usize, total: usize, sessions: usize) -> f6
             insert_loop!(
                 connection,
                 per_commit,
+                per_statement,
                 total,
                 sessions,
                 immediate_transaction
@@ -198,7 +275,14 @@ fn raw(backend: Backend, per_commit: usize, total: usize, sessions: usize) -> f6
         (DbUrl::Postgres(url), _) => {
             let mut connection = PgConnection::establish(url).unwrap();
             connection.batch_execute(RAW_TABLE).unwrap();
-            insert_loop!(connection, per_commit, total, sessions, transaction)
+            insert_loop!(
+                connection,
+                per_commit,
+                per_statement,
+                total,
+                sessions,
+                transaction
+            )
         }
         _ => unreachable!("a database is made for its own backend"),
     }
@@ -284,7 +368,7 @@ fn main() {
 
         let raw_single = median(
             &(0..runs)
-                .map(|_| raw(backend, 1, plan.single_events, 1))
+                .map(|_| raw(backend, (1, 1), plan.single_events, 1))
                 .collect::<Vec<_>>(),
         );
         report(
@@ -301,7 +385,7 @@ fn main() {
         // ceiling the figures were first compared with.
         let raw_group = median(
             &(0..runs)
-                .map(|_| raw(backend, sessions, group_total, sessions))
+                .map(|_| raw(backend, (sessions, 1), group_total, sessions))
                 .collect::<Vec<_>>(),
         );
         report(
@@ -314,7 +398,7 @@ fn main() {
         );
         let raw_one_log = median(
             &(0..runs)
-                .map(|_| raw(backend, sessions, group_total, 1))
+                .map(|_| raw(backend, (sessions, 1), group_total, 1))
                 .collect::<Vec<_>>(),
         );
         report(
@@ -349,5 +433,46 @@ fn main() {
             runs,
             "",
         );
+        // The same rows, a commit's worth in one statement: the ceiling for a store that
+        // would batch its statements (on PostgreSQL, one round trip instead of 64).
+        let raw_rows = median(
+            &(0..runs)
+                .map(|_| raw(backend, (sessions, sessions), group_total, sessions))
+                .collect::<Vec<_>>(),
+        );
+        report(
+            &format!(
+                "raw insert, {sessions} per commit in one statement, {sessions} sessions' logs"
+            ),
+            raw_rows,
+            "rows/s",
+            backend,
+            runs,
+            "",
+        );
+        report(
+            "group commit / raw multi-row ceiling",
+            100.0 * group_rate / raw_rows,
+            "%",
+            backend,
+            runs,
+            "",
+        );
+        // Several nodes share a PostgreSQL database: each has its writer and connection.
+        if backend == Backend::Postgres {
+            for nodes in [2, 3] {
+                let rates: Vec<f64> = (0..runs)
+                    .map(|_| runtime.block_on(group_on_nodes(&plan, backend, nodes)).0)
+                    .collect();
+                report(
+                    &format!("append, group commit across {sessions} sessions, {nodes} nodes"),
+                    median(&rates),
+                    "events/s",
+                    backend,
+                    runs,
+                    "",
+                );
+            }
+        }
     }
 }

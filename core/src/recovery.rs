@@ -248,12 +248,20 @@ pub async fn settle_abandoned(
     let candidates = store.read(move |c| expired(c, now)).await?;
     report.backlog = candidates.len() >= BATCH_SIZE as usize;
     // Every settlement is submitted at once, so the writer commits the batch together (one
-    // fsync, not one per claim); each runs in its own savepoint, so one that fails leaves
-    // the others settled.
+    // fsync, not one per claim); one that fails undoes only itself, leaving the others
+    // settled. Each goes to its session's writer, in order with the session's writes.
     let settlements = candidates.iter().map(|candidate| {
         let clock = store.clock().clone();
         let attempt = candidate.clone();
-        store.write(move |c| recover(c, clock.now_ms(), &attempt))
+        let session = attempt.session_id.parse::<SessionId>().ok();
+        let settle = move |c: &mut Conn| recover(c, clock.now_ms(), &attempt);
+        async move {
+            match session {
+                Some(session) => store.write_for(session, settle).await,
+                // A malformed id is judged by the write, which sets the claim aside.
+                None => store.write(settle).await,
+            }
+        }
     });
     let outcomes = futures::future::join_all(settlements).await;
     for (candidate, recovered) in candidates.into_iter().zip(outcomes) {

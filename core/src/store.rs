@@ -130,6 +130,11 @@ pub struct Options {
     /// How long the writer waits, with a deferred commit not yet on disk, for a synced
     /// commit to take it along before syncing it itself ([`Store::write_deferred`]).
     pub flush_delay: std::time::Duration,
+    /// Writer threads, each with its own connection, on PostgreSQL (SQLite has one: its
+    /// database takes one writer at a time). A session's writes all go to the same one
+    /// ([`Store::write_for`]), so several sessions commit at once, each batch a round
+    /// trip per statement to the server, as several nodes' writers do.
+    pub pg_writers: usize,
 }
 
 /// Decides, given the ordinal of a commit (0, 1, 2 …), whether it fails. A failed commit
@@ -153,9 +158,13 @@ impl Default for Options {
             clock: Arc::new(SystemClock),
             failpoint: None,
             flush_delay: DEFAULT_FLUSH_DELAY,
+            pg_writers: DEFAULT_PG_WRITERS,
         }
     }
 }
+
+/// The default [`Options::pg_writers`].
+pub const DEFAULT_PG_WRITERS: usize = 4;
 
 /// The default [`Options::flush_delay`]: longer than a runner takes from a step's
 /// boundary to its first commit with a model that answers at once, far shorter than any
@@ -183,7 +192,8 @@ pub struct Store {
 struct Inner {
     url: DbUrl,
     clock: SharedClock,
-    writer: writer::Handle,
+    /// The writers: one on SQLite, [`Options::pg_writers`] on PostgreSQL.
+    writers: Vec<writer::Handle>,
     /// Events of deferred commits not yet on disk, held back from the log's readers.
     horizon: Arc<deferred::Horizon>,
     readers: Pool<conn::Manager>,
@@ -246,20 +256,40 @@ impl Store {
             horizon: horizon.clone(),
             flush_delay: options.flush_delay,
         };
-        let writer = writer::spawn(
+        let count = match &url {
+            DbUrl::Sqlite(_) => 1,
+            DbUrl::Postgres(_) => options.pg_writers.max(1),
+        };
+        let mut writers = vec![writer::spawn(
             connection,
-            settings,
+            settings.clone(),
             options.max_batch,
             stats.clone(),
-            options.failpoint,
+            options.failpoint.clone(),
             deferral,
-        )?;
-        tracing::info!(%url, "store open");
+        )?];
+        for _ in 1..count {
+            // Only SQLite defers, and it has one writer.
+            let deferral = writer::Deferral {
+                wal: None,
+                horizon: horizon.clone(),
+                flush_delay: options.flush_delay,
+            };
+            writers.push(writer::spawn(
+                settings.establish()?,
+                settings.clone(),
+                options.max_batch,
+                stats.clone(),
+                options.failpoint.clone(),
+                deferral,
+            )?);
+        }
+        tracing::info!(%url, writers = count, "store open");
         Ok(Self {
             inner: Arc::new(Inner {
                 url,
                 clock: options.clock,
-                writer,
+                writers,
                 horizon,
                 readers,
                 stats,
@@ -290,8 +320,10 @@ impl Store {
         self.inner.stats.syncs.load(Ordering::Relaxed)
     }
 
-    /// Runs `write` on the writer thread, in its own savepoint of a group-committed
-    /// transaction. An `Err` rolls back this write alone. Resolves after the commit.
+    /// Runs `write` on a writer thread, in a group-committed transaction. An `Err` undoes
+    /// this write alone. Resolves after the commit. A write about one session goes
+    /// through [`Store::write_for`] instead, which keeps it in order with the session's
+    /// other writes; this one goes to the first writer.
     ///
     /// `write` may run more than once: on PostgreSQL, a batch the database aborts to
     /// resolve a conflict with another node's transaction runs again from its start. It
@@ -302,7 +334,40 @@ impl Store {
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.inner.writer.submit(write).await
+        self.inner.writers[0].submit(write).await
+    }
+
+    /// [`Store::write`] for a write about `session`: every write of a session goes to the
+    /// same writer, so they commit in the order they were submitted, while on PostgreSQL
+    /// other sessions' writes commit at the same time on other writers.
+    pub async fn write_for<T, E, F>(&self, session: SessionId, write: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + From<diesel::result::Error> + Send + 'static,
+        F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
+    {
+        self.writer_of(session).submit(write).await
+    }
+
+    /// How many writers commit this store's writes ([`Options::pg_writers`]).
+    pub fn writers(&self) -> usize {
+        self.inner.writers.len()
+    }
+
+    /// The writer of `session`'s writes.
+    fn writer_of(&self, session: SessionId) -> &writer::Handle {
+        let writers = &self.inner.writers;
+        // The id's random part spreads sessions evenly.
+        let index = session.ulid().random() % writers.len() as u128;
+        &writers[usize::try_from(index).unwrap_or(0)]
+    }
+
+    /// Waits for an empty write to commit on every writer: whether all of them can.
+    pub async fn check_writers(&self) -> Result<(), Error> {
+        for writer in &self.inner.writers {
+            writer.submit(|_| Ok::<_, Error>(())).await?;
+        }
+        Ok(())
     }
 
     /// Runs `write` for `session` like [`Store::write`], but answers once it is committed,
@@ -324,7 +389,9 @@ impl Store {
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.inner.writer.submit_deferred(session, write).await
+        self.writer_of(session)
+            .submit_deferred(session, write)
+            .await
     }
 
     /// The last seq of `session` that [`Store::read_log`] shows while later events of it

@@ -114,6 +114,10 @@ impl Database {
             self.url.clone(),
             Options {
                 synchronous: self.synchronous,
+                // `--pg-writers N` measures PostgreSQL with other than the default.
+                pg_writers: option("--pg-writers").map_or(store::DEFAULT_PG_WRITERS, |n| {
+                    n.parse().expect("--pg-writers takes a number")
+                }),
                 ..Options::default()
             },
         )

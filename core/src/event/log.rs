@@ -380,8 +380,10 @@ impl Store {
         events: Vec<DurableEvent>,
     ) -> Result<Vec<Envelope>, Error> {
         let clock = self.clock().clone();
-        self.write(move |c| append(c, clock.now_ms(), session_id, events.clone()))
-            .await
+        self.write_for(session_id, move |c| {
+            append(c, clock.now_ms(), session_id, events.clone())
+        })
+        .await
     }
 
     /// Reads a session's events after `after` (see [`read`]), up to the last one on disk:

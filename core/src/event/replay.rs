@@ -22,7 +22,9 @@ pub async fn session(source: &Store, target: &Store, session_id: SessionId) -> R
             break;
         };
         after = last.seq;
-        target.write(move |c| log::import(c, &page)).await?;
+        target
+            .write_for(session_id, move |c| log::import(c, &page))
+            .await?;
     }
     Ok(after)
 }

@@ -194,7 +194,7 @@ impl Engine {
             let clock = self.store.clock().clone();
             let result = self
                 .store
-                .write(move |c| {
+                .write_for(claim.session_id, move |c| {
                     execution::release(c, clock.now_ms(), lease, &claim, outcome, error.clone())
                         .map_err(Error::from)
                 })
@@ -332,7 +332,7 @@ impl Work for Engine {
             let session = *session;
             let acquired = self
                 .store
-                .write(move |c| {
+                .write_for(session, move |c| {
                     let now = clock.now_ms();
                     match execution::acquire(c, now, lease, session, owner)? {
                         Some((claim, envelope)) => {
@@ -398,7 +398,7 @@ impl Work for Engine {
             let reason = self.interrupt_reason(&held);
             let written = self
                 .store
-                .write(move |c| {
+                .write_for(session, move |c| {
                     let now = clock.now_ms();
                     execution::check(c, now, lease, &claim)?;
                     let row = execution::get(c, session)?;

@@ -95,7 +95,7 @@ impl Engine {
             self.store.write_deferred(claim.session_id, fenced).await
         } else {
             self.store
-                .write(fenced)
+                .write_for(claim.session_id, fenced)
                 .await
                 .map(|written| (written, Durable::now()))
         };

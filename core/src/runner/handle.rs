@@ -135,7 +135,7 @@ impl Runner {
         let clock = self.store().clock().clone();
         let written = self
             .store()
-            .write(move |c| {
+            .write_for(session, move |c| {
                 crate::inbox::request_execution(c, clock.now_ms(), session).map_err(Error::from)
             })
             .await?;
@@ -192,7 +192,7 @@ impl Runner {
         let clock = engine.store.clock().clone();
         let written = engine
             .store
-            .write(move |c| {
+            .write_for(session, move |c| {
                 let Some(step) = request::waiting_step(c, session)? else {
                     return Ok(Vec::new());
                 };
@@ -321,7 +321,7 @@ impl Runner {
     pub async fn interrupt_elsewhere(&self, session: SessionId) -> Result<bool, Error> {
         let claim = self
             .store()
-            .write(move |c| execution::request_cancel(c, session))
+            .write_for(session, move |c| execution::request_cancel(c, session))
             .await?;
         let Some(claim) = claim else {
             return Ok(false);
@@ -352,7 +352,9 @@ impl Runner {
         let clock = self.store().clock().clone();
         let written = self
             .store()
-            .write(move |c| request::answer(c, clock.now_ms(), session, request, &reply))
+            .write_for(session, move |c| {
+                request::answer(c, clock.now_ms(), session, request, &reply)
+            })
             .await?;
         self.publish(&written);
         self.wake(session, Scope::Input);

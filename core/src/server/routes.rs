@@ -56,7 +56,7 @@ pub async fn ready(State(state): State<AppState>) -> Result<Json<Ready>> {
         Ok(Err(e)) => return Err(unavailable("the database does not answer", &e)),
         Err(_) => return Err(unavailable("the database does not answer", &late)),
     }
-    let commit = state.store.write(|_| Ok::<_, store::Error>(()));
+    let commit = state.store.check_writers();
     match tokio::time::timeout(READY_WITHIN, commit).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(unavailable("the writer cannot commit", &e)),
@@ -285,7 +285,7 @@ async fn admit(state: &AppState, id: SessionId, admission: Admission) -> Result<
     let delivery = admission.delivery;
     let admitted = state
         .store
-        .write(move |c| {
+        .write_for(id, move |c| {
             let admitted = inbox::admit(c, clock.now_ms(), id, admission.clone())?;
             let written: Vec<Envelope> = if admitted.replayed {
                 Vec::new()

@@ -36,6 +36,7 @@ backend_tests!(
     a_stored_payload_that_does_not_decode_is_a_typed_error_naming_its_seq,
     reads_return_events_after_a_seq_up_to_a_limit,
     concurrent_appends_to_many_sessions_are_group_committed_in_order,
+    each_sessions_writes_commit_in_submission_order_across_several_writers,
     a_failing_write_in_a_shared_transaction_undoes_only_itself,
     the_count_of_sessions_not_deleted_follows_creations_and_deletions,
 );
@@ -359,5 +360,40 @@ async fn a_failing_write_in_a_shared_transaction_undoes_only_itself(db: TestDb) 
             assert_eq!(log.len(), 1, "{n}: its event was undone");
             assert_eq!(store.last_seq(session).await.unwrap(), Some(1));
         }
+    }
+}
+
+/// On PostgreSQL a store commits on several writers at once; a session's writes all go to
+/// one of them, so appends submitted together (none awaited before the next is
+/// submitted) are numbered in the order they were submitted.
+async fn each_sessions_writes_commit_in_submission_order_across_several_writers(db: TestDb) {
+    let store = Store::open(
+        db.url.clone(),
+        keel_core::store::Options {
+            pg_writers: 4,
+            ..db.options()
+        },
+    )
+    .await
+    .unwrap();
+    let expected_writers = match db.url {
+        keel_core::store::DbUrl::Sqlite(_) => 1,
+        keel_core::store::DbUrl::Postgres(_) => 4,
+    };
+    assert_eq!(store.writers(), expected_writers);
+    let sessions = new_sessions(&store, 12).await;
+    let mut appends = Vec::new();
+    for round in 0..10 {
+        for &session in &sessions {
+            let store = store.clone();
+            appends.push(async move {
+                let title = format!("{session} {round}");
+                let appended = store.append(session, vec![renamed(&title)]).await.unwrap();
+                (session, round, appended[0].seq)
+            });
+        }
+    }
+    for (session, round, seq) in futures::future::join_all(appends).await {
+        assert_eq!(seq, round + 2, "{session}: append {round} got seq {seq}");
     }
 }

@@ -49,6 +49,11 @@ pub struct Serve {
     #[arg(long, env = "KEEL_DB_READERS", default_value_t = 4,
           value_parser = clap::value_parser!(u32).range(1..))]
     db_readers: u32,
+    /// On PostgreSQL, writer connections, each committing its share of the sessions'
+    /// writes (a session's writes all go to one, in order); SQLite has one writer.
+    #[arg(long, env = "KEEL_DB_WRITERS", default_value_t = store::DEFAULT_PG_WRITERS as u32,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    db_writers: u32,
     /// Sessions may only work in this directory and below it (default: the working
     /// directory); a session asking for a directory outside is refused with 400.
     #[arg(long, env = "KEEL_ROOT")]
@@ -181,6 +186,7 @@ pub async fn serve(args: Serve) -> Result<()> {
     let options = Options {
         store: store::Options {
             read_connections: args.db_readers,
+            pg_writers: args.db_writers as usize,
             ..store::Options::default()
         },
         listen: args.listen,
