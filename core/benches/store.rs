@@ -135,16 +135,8 @@ where
     str: ToSql<Text, DB>,
 {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
-        out.push_sql("INSERT INTO event (session_id, seq, id, type, version, data, time) VALUES (");
-        out.push_bind_param::<Text, _>(self.session_id)?;
-        out.push_sql(", ");
-        out.push_bind_param::<BigInt, _>(&self.seq)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(self.id)?;
-        out.push_sql(", 'session.next.renamed', 1, ");
-        out.push_bind_param::<Text, _>(self.data)?;
-        out.push_sql(", 0)");
-        Ok(())
+        out.push_sql("INSERT INTO event (session_id, seq, id, type, version, data, time) VALUES ");
+        push_row(&mut out, (self.session_id, &self.seq, self.id), self.data)
     }
 }
 
@@ -169,23 +161,40 @@ where
     DB: DieselBackend + HasSqlType<BigInt> + HasSqlType<Text>,
     i64: ToSql<BigInt, DB>,
     str: ToSql<Text, DB>,
-    String: ToSql<Text, DB>,
 {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
         out.push_sql("INSERT INTO event (session_id, seq, id, type, version, data, time) VALUES ");
         for (n, (session_id, seq, id)) in self.rows.iter().enumerate() {
-            out.push_sql(if n == 0 { "(" } else { ", (" });
-            out.push_bind_param::<Text, _>(session_id)?;
-            out.push_sql(", ");
-            out.push_bind_param::<BigInt, _>(seq)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, _>(id)?;
-            out.push_sql(", 'session.next.renamed', 1, ");
-            out.push_bind_param::<Text, _>(self.data)?;
-            out.push_sql(", 0)");
+            if n > 0 {
+                out.push_sql(", ");
+            }
+            push_row(&mut out, (session_id, seq, id), self.data)?;
         }
         Ok(())
     }
+}
+
+/// One row's `(…)` of the raw ceiling's insert.
+fn push_row<'b, DB>(
+    out: &mut AstPass<'_, 'b, DB>,
+    (session_id, seq, id): (&'b str, &'b i64, &'b str),
+    data: &'b str,
+) -> QueryResult<()>
+where
+    DB: DieselBackend + HasSqlType<BigInt> + HasSqlType<Text>,
+    i64: ToSql<BigInt, DB>,
+    str: ToSql<Text, DB>,
+{
+    out.push_sql("(");
+    out.push_bind_param::<Text, _>(session_id)?;
+    out.push_sql(", ");
+    out.push_bind_param::<BigInt, _>(seq)?;
+    out.push_sql(", ");
+    out.push_bind_param::<Text, _>(id)?;
+    out.push_sql(", 'session.next.renamed', 1, ");
+    out.push_bind_param::<Text, _>(data)?;
+    out.push_sql(", 0)");
+    Ok(())
 }
 
 impl<C> RunQueryDsl<C> for RawRows<'_> {}
