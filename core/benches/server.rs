@@ -62,19 +62,32 @@ struct Plan {
 
 fn main() {
     let (quick, _) = flags();
-    // `--memory-sessions 10000` measures the memory figures alone, with those counts.
-    let only_memory: Option<Vec<usize>> = common::option("--memory-sessions").map(|list| {
-        list.split(',')
-            .map(|n| n.trim().parse().expect("--memory-sessions takes numbers"))
-            .collect()
-    });
-    if let Err(e) = run(Path::new(env!("CARGO_BIN_EXE_keel")), quick, only_memory) {
+    // `--memory-sessions 10000` measures the memory figures alone, with those counts;
+    // `--latency-sessions 100,10000` the streaming sessions' latency figures alone.
+    let counts = |name: &str| -> Option<Vec<usize>> {
+        common::option(name).map(|list| {
+            list.split(',')
+                .map(|n| n.trim().parse().expect("a list of session counts"))
+                .collect()
+        })
+    };
+    let only = Only {
+        memory: counts("--memory-sessions"),
+        latency: counts("--latency-sessions"),
+    };
+    if let Err(e) = run(Path::new(env!("CARGO_BIN_EXE_keel")), quick, only) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn run(binary: &Path, quick: bool, only_memory: Option<Vec<usize>>) -> Result<()> {
+/// Figures measured alone, with their session counts.
+struct Only {
+    memory: Option<Vec<usize>>,
+    latency: Option<Vec<usize>>,
+}
+
+fn run(binary: &Path, quick: bool, only: Only) -> Result<()> {
     let mut plan = if quick {
         Plan {
             runs: 3,
@@ -101,9 +114,14 @@ fn run(binary: &Path, quick: bool, only_memory: Option<Vec<usize>>) -> Result<()
         }
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    if let Some(counts) = only_memory {
+    if let Some(counts) = only.memory {
         plan.memory = counts.into_iter().map(|n| (n, 1)).collect();
         return runtime.block_on(memory(binary, &plan));
+    }
+    if let Some(counts) = only.latency {
+        plan.concurrent = counts;
+        plan.fanout_runs = 0;
+        return runtime.block_on(latency(binary, &plan));
     }
     runtime.block_on(async {
         latency(binary, &plan).await?;
@@ -115,6 +133,7 @@ fn run(binary: &Path, quick: bool, only_memory: Option<Vec<usize>>) -> Result<()
 struct Keel {
     child: Child,
     client: Client,
+    url: String,
     // Held so the server's stdout stays open for its life.
     _stdout: BufReader<ChildStdout>,
     dir: tempfile::TempDir,
@@ -150,6 +169,7 @@ impl Keel {
             .with_context(|| format!("keel did not say where it listens: {line:?}"))?;
         Ok(Self {
             client: Client::new(url)?,
+            url: url.to_owned(),
             child,
             _stdout: stdout,
             dir,
@@ -342,6 +362,30 @@ async fn streamed(keel: &Keel, sessions: &[SessionId], followers: usize) -> Resu
     Ok(all)
 }
 
+/// The server's `keel_store_queue` gauge every 20 ms, until `stop`; a failed read is
+/// left out.
+async fn queue_samples(url: String, mut stop: tokio::sync::oneshot::Receiver<()>) -> Vec<f64> {
+    let http = reqwest::Client::new();
+    let mut samples = Vec::new();
+    loop {
+        tokio::select! {
+            _ = &mut stop => return samples,
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        let Ok(response) = http.get(format!("{url}/metrics")).send().await else {
+            continue;
+        };
+        let text = response.text().await.unwrap_or_default();
+        if let Some(value) = text
+            .lines()
+            .find_map(|l| l.strip_prefix("keel_store_queue "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+        {
+            samples.push(value);
+        }
+    }
+}
+
 /// Delta-to-client latency with 1 and with many streaming sessions, then fan-out to many
 /// followers of one session, all on one server.
 async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
@@ -354,11 +398,19 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
     for &concurrent in &plan.concurrent {
         eprintln!("server: delta latency, {concurrent} streaming sessions");
         let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
+        let mut queue_maxima = Vec::new();
         for _ in 0..plan.runs {
             let sessions = keel.sessions("stream/scripted", concurrent).await?;
-            let samples = streamed(&keel, &sessions, 1).await?;
+            let (stop, stopped) = tokio::sync::oneshot::channel();
+            let sampling = tokio::spawn(queue_samples(keel.url.clone(), stopped));
+            let samples = streamed(&keel, &sessions, 1).await;
+            // The sampler is waiting for this; it cannot have gone.
+            stop.send(()).ok();
+            let queue = sampling.await.unwrap_or_default();
+            let samples = samples?;
             p50s.push(median(&samples.deltas));
             p99s.push(percentile(&samples.deltas, 0.99));
+            queue_maxima.push(queue.iter().copied().fold(0.0, f64::max));
         }
         let name = format!("delta to client, {concurrent} streaming session(s)");
         report(
@@ -377,6 +429,17 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
             plan.runs,
             &shape,
         );
+        report(
+            &format!("writer queue with {concurrent} streaming session(s), most seen"),
+            median(&queue_maxima),
+            "writes",
+            SERVER,
+            plan.runs,
+            "writes waiting as a batch began (`keel_store_queue`), read every 20 ms",
+        );
+    }
+    if plan.fanout_runs == 0 {
+        return Ok(());
     }
 
     eprintln!("server: fan-out to {} followers", plan.subscribers);

@@ -642,6 +642,7 @@ fn validate_assistant(
 
 /// How many of the session's latest executions in a row settled `recovered`.
 fn recoveries_in_a_row(connection: &mut Conn, session: SessionId) -> Result<usize, store::Error> {
+    crate::event::rows::flush(connection)?;
     // Newest first, at most MAX_ATTEMPTS.
     let query = event::table
         .filter(event::session_id.eq(session.to_string()))

@@ -13,11 +13,11 @@
 //! every use.
 
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Integer, Text};
+use diesel::sql_types::{BigInt, Text};
 use keel_schema::event::{DurableEvent, Envelope, RawEvent};
 use keel_schema::id::{EventId, SessionId};
 
-use super::projector;
+use super::{projector, rows};
 use crate::store::column::{db_int, from_db_int};
 use crate::store::fixed::fixed_query;
 use crate::store::schema::{event, session};
@@ -226,37 +226,22 @@ fn apply(connection: &mut Conn, envelope: &Envelope, session_id: &str) -> Result
         reason: format!("the payload does not serialize: {e}"),
     })?;
     let version = envelope.event.version();
-    InsertEvent {
-        session_id,
+    let row = rows::Row {
+        session_id: session_id.to_owned(),
         seq: db_int(envelope.seq)?,
-        id: &envelope.id.to_string(),
+        id: envelope.id.to_string(),
         type_name: envelope.event.type_name(),
         version: i32::try_from(version)
             .map_err(|_| Error::Corrupt(format!("event version {version} is too large")))?,
-        data: &data,
+        data,
         time: envelope.time,
-    }
-    .execute(connection)?;
+    };
+    rows::insert(connection, row)?;
     Ok(())
 }
 
-fixed_query! {
-    /// Inserts one row of the log.
-    struct InsertEvent<'a> {
-        session_id: &'a str,
-        seq: i64,
-        id: &'a str,
-        type_name: &'a str,
-        version: i32,
-        data: &'a str,
-        time: i64,
-    }
-    sql r#"INSERT INTO "event" ("session_id", "seq", "id", "type", "version", "data", "time") VALUES ("#
-        {session_id: Text} ", " {seq: BigInt} ", " {id: Text} ", " {type_name: Text} ", "
-        {version: Integer} ", " {data: Text} ", " {time: BigInt} ")"
-}
-
 fn id_exists(connection: &mut Conn, id: EventId) -> Result<bool, Error> {
+    rows::flush(connection)?;
     let count: i64 = event::table
         .filter(event::id.eq(id.to_string()))
         .count()
@@ -307,6 +292,7 @@ pub fn read_raw(
     after: u64,
     limit: u32,
 ) -> Result<Vec<RawEvent>, Error> {
+    rows::flush(connection)?;
     let query = event::table
         .filter(event::session_id.eq(session_id.to_string()))
         .filter(event::seq.gt(db_int(after)?))
@@ -325,6 +311,7 @@ pub fn latest_of_type(
     after: u64,
     type_name: &str,
 ) -> Result<Option<Envelope>, Error> {
+    rows::flush(connection)?;
     let row: Option<EventRow> = event::table
         .filter(event::session_id.eq(session_id.to_string()))
         .filter(event::seq.gt(db_int(after)?))

@@ -10,4 +10,5 @@
 pub mod log;
 pub mod projector;
 pub mod replay;
+pub(crate) mod rows;
 pub mod view;

@@ -58,12 +58,27 @@ impl Settings {
                     .map_err(|e| failed(format!("setting connection options: {e}")))?;
                 Ok(Conn::Sqlite(connection))
             }
-            DbUrl::Postgres(url) => PgConnection::establish(url)
-                .map(Conn::Pg)
-                .map_err(|e| failed(e.to_string().trim_end().to_owned())),
+            DbUrl::Postgres(url) => {
+                let mut connection = PgConnection::establish(url)
+                    .map_err(|e| failed(e.to_string().trim_end().to_owned()))?;
+                connection
+                    .batch_execute(&format!(
+                        "SET idle_in_transaction_session_timeout = '{}ms'",
+                        PG_IDLE_IN_TRANSACTION.as_millis()
+                    ))
+                    .map_err(|e| failed(format!("setting connection options: {e}")))?;
+                Ok(Conn::Pg(connection))
+            }
         }
     }
 }
+
+/// How long PostgreSQL lets a transaction of Keel's sit idle before it ends the
+/// connection. Keel's transactions run their statements back to back, so only a stalled
+/// process (stopped, swapped out, cut off mid-transaction) leaves one idle; its row locks
+/// would otherwise stop every other node's recovery of its sessions until it woke. Well
+/// below the default lease, so its sessions can be taken over when the lease runs out.
+pub(super) const PG_IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
 
 /// Switches a SQLite database to write-ahead logging (persistent, so once suffices).
 ///

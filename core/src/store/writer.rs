@@ -6,10 +6,13 @@
 //! then tells each caller its result. A write whose closure fails leaves the others
 //! intact; a failed commit fails them all.
 //!
-//! Writes rarely fail, so a batch first runs them plainly, one after another. Should one
-//! fail, the transaction is rolled back (undoing whatever that write had done), and the
-//! batch runs again with each write in its own savepoint (prepared statements, see
-//! [`in_savepoint`]), where a failing write rolls back to its savepoint alone. The two
+//! Writes rarely fail, so a batch first runs them plainly, one after another, the event
+//! rows they append gathered and inserted together before the commit
+//! ([`crate::event::rows`]). Should a write fail (or the gathered rows be refused), the
+//! transaction is rolled back (undoing whatever had been done), and the batch runs again
+//! with each write in its own savepoint (prepared statements, see [`in_savepoint`]) and
+//! its rows inserted as it appends them, where a failing write rolls back to its
+//! savepoint alone. The two
 //! statements a savepoint costs are a good share of a write (an append is four
 //! statements), so they are paid only by a batch that needs them. A batch of one write
 //! never needs them: rolling the transaction back undoes exactly that write. Running a
@@ -50,6 +53,7 @@ use super::conn::Settings;
 use super::deferred::{Durable, Horizon, SyncWaiter, Unsynced};
 use super::fixed::fixed_query;
 use super::{Conn, Error, Failpoint, Stats};
+use crate::event::rows;
 
 /// One write waiting for the writer.
 trait Write: Send {
@@ -512,6 +516,9 @@ enum Attempt {
     /// a batch of one write (its caller hears its own error), else the batch runs again
     /// with savepoints.
     WriteFailed,
+    /// The gathered event rows were refused and the transaction was rolled back: the
+    /// batch runs again inserting each row with its write.
+    FlushFailed(String),
     /// A failpoint rolled the transaction back.
     Failpoint,
     /// The write at this index panicked; everything was rolled back.
@@ -536,10 +543,17 @@ fn run_batch(
         .then(|| total_changes(connection))
         .flatten();
     let mut attempt = 1;
-    let mut savepoints = false;
+    let mut mode = Mode::PLAIN;
     let ended = loop {
-        match attempt_batch(connection, &mut batch, fail, conflicts, savepoints) {
-            Attempt::WriteFailed if batch.len() > 1 => savepoints = true,
+        match attempt_batch(connection, &mut batch, fail, conflicts, mode) {
+            Attempt::WriteFailed if batch.len() > 1 => mode = Mode::CAREFUL,
+            Attempt::FlushFailed(message) => {
+                tracing::warn!(%message, writes = batch.len(), "a batch's event rows were refused; running it again row by row");
+                mode = Mode {
+                    savepoints: batch.len() > 1,
+                    gathered: false,
+                };
+            }
             Attempt::Conflict(message) if attempt < CONFLICT_ATTEMPTS => {
                 tracing::warn!(%message, attempt, writes = batch.len(), "write batch conflicted with another transaction; running it again");
                 std::thread::sleep(conflict_pause(attempt));
@@ -580,7 +594,7 @@ fn run_batch(
             }
             return Ran::Carry(rest);
         }
-        Attempt::NotBegun(_) => unreachable!("returned above"),
+        Attempt::NotBegun(_) | Attempt::FlushFailed(_) => unreachable!("handled above"),
     };
     // Without a failure, the last attempt ran every write, so each reports its own result.
     for job in batch {
@@ -589,14 +603,56 @@ fn run_batch(
     Ran::Carry(Vec::new())
 }
 
-/// Runs every write of `batch` in one transaction, each in its own savepoint when
-/// `savepoints`, and commits it.
+/// How an attempt runs a batch's writes.
+#[derive(Debug, Clone, Copy)]
+struct Mode {
+    /// Each write in its own savepoint.
+    savepoints: bool,
+    /// The event rows the writes append gathered and inserted together before the
+    /// commit ([`crate::event::rows`]).
+    gathered: bool,
+}
+
+impl Mode {
+    /// How a batch first runs.
+    const PLAIN: Self = Self {
+        savepoints: false,
+        gathered: true,
+    };
+    /// After a write failed: each undoes only itself.
+    const CAREFUL: Self = Self {
+        savepoints: true,
+        gathered: false,
+    };
+}
+
+/// Ends an attempt's gathering of event rows, however the attempt ends.
+struct Gathering;
+
+impl Gathering {
+    fn start(gathered: bool) -> Self {
+        if gathered {
+            rows::gather();
+        } else {
+            rows::stop();
+        }
+        Self
+    }
+}
+
+impl Drop for Gathering {
+    fn drop(&mut self) {
+        rows::stop();
+    }
+}
+
+/// Runs every write of `batch` in one transaction as `mode` says, and commits it.
 fn attempt_batch(
     connection: &mut Conn,
     batch: &mut [Job],
     fail: bool,
     conflicts: &Conflicts,
-    savepoints: bool,
+    mode: Mode,
 ) -> Attempt {
     let began = match connection {
         Conn::Sqlite(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE"),
@@ -606,6 +662,8 @@ fn attempt_batch(
         return Attempt::NotBegun(format!("could not begin a transaction: {e}"));
     }
     conflicts.take();
+    let _gathering = Gathering::start(mode.gathered);
+    let savepoints = mode.savepoints;
 
     for (index, job) in batch.iter_mut().enumerate() {
         let Ok(succeeded) = catch_unwind(AssertUnwindSafe(|| job.run(connection, savepoints)))
@@ -626,6 +684,18 @@ fn attempt_batch(
             rollback_all(connection);
             return Attempt::WriteFailed;
         }
+    }
+    if mode.gathered
+        && let Err(e) = rows::flush(connection)
+    {
+        let conflict = conflicts.take() || is_conflict(&e);
+        let message = format!("inserting the batch's event rows failed: {e}");
+        rollback_all(connection);
+        return if conflict {
+            Attempt::Conflict(message)
+        } else {
+            Attempt::FlushFailed(message)
+        };
     }
 
     if fail {
@@ -858,6 +928,98 @@ mod tests {
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         assert!(matches!(outcome.blocking_recv(), Ok(Err(_))));
         assert!(rows(&mut connection).is_empty());
+    }
+
+    /// A write inserting one event row with id `id`, gathered while its batch gathers.
+    fn event_row(id: &'static str, seq: i64) -> (Job, Outcome) {
+        pending(move |c| {
+            let row = rows::Row {
+                session_id: "ses".into(),
+                seq,
+                id: id.into(),
+                type_name: "session.next.renamed",
+                version: 1,
+                data: "{}".into(),
+                time: 0,
+            };
+            rows::insert(c, row)?;
+            Ok(())
+        })
+    }
+
+    fn event_ids(connection: &mut Conn) -> Vec<String> {
+        #[derive(diesel::QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            id: String,
+        }
+        diesel::sql_query("SELECT id FROM event ORDER BY seq")
+            .load::<Id>(connection)
+            .unwrap()
+            .into_iter()
+            .map(|row| row.id)
+            .collect()
+    }
+
+    #[test]
+    fn gathered_rows_go_in_before_the_commit_and_a_refused_one_fails_its_write_alone() {
+        let mut connection = connection();
+        connection
+            .batch_execute(
+                "CREATE TABLE event (session_id TEXT NOT NULL, seq BIGINT NOT NULL, \
+                 id TEXT NOT NULL UNIQUE, type TEXT NOT NULL, version INTEGER NOT NULL, \
+                 data TEXT NOT NULL, time BIGINT NOT NULL, PRIMARY KEY (session_id, seq))",
+            )
+            .unwrap();
+        let conflicts = Conflicts::default();
+        let (first, first_outcome) = event_row("evt_a", 1);
+        let (second, second_outcome) = event_row("evt_b", 2);
+        let ran = run_synced(&mut connection, vec![first, second], &conflicts);
+        assert!(matches!(ran, Ran::Carry(carried) if carried.is_empty()));
+        assert!(matches!(first_outcome.blocking_recv(), Ok(Ok(()))));
+        assert!(matches!(second_outcome.blocking_recv(), Ok(Ok(()))));
+        assert_eq!(event_ids(&mut connection), ["evt_a", "evt_b"]);
+
+        // The middle write's row repeats an id: the gathered insert is refused, and the
+        // batch runs again row by row, where only that write fails.
+        let (first, first_outcome) = event_row("evt_c", 3);
+        let (repeated, repeated_outcome) = event_row("evt_a", 4);
+        let (third, third_outcome) = event_row("evt_d", 5);
+        let ran = run_synced(&mut connection, vec![first, repeated, third], &conflicts);
+        assert!(matches!(ran, Ran::Carry(carried) if carried.is_empty()));
+        assert!(matches!(first_outcome.blocking_recv(), Ok(Ok(()))));
+        assert!(matches!(repeated_outcome.blocking_recv(), Ok(Err(_))));
+        assert!(matches!(third_outcome.blocking_recv(), Ok(Ok(()))));
+        assert_eq!(
+            event_ids(&mut connection),
+            ["evt_a", "evt_b", "evt_c", "evt_d"]
+        );
+
+        // Alone, the write with the refused row hears its own error and leaves nothing.
+        let (repeated, repeated_outcome) = event_row("evt_b", 6);
+        run_synced(&mut connection, vec![repeated], &conflicts);
+        assert!(matches!(repeated_outcome.blocking_recv(), Ok(Err(_))));
+        assert_eq!(event_ids(&mut connection).len(), 4);
+
+        // A later write of the same batch that reads the log flushes first, and so sees
+        // the rows gathered before it.
+        let (appending, _) = event_row("evt_e", 7);
+        let (reply, seen) = oneshot::channel();
+        let reading: Job = Box::new(Pending {
+            write: |c: &mut Conn| -> Result<(usize, usize), Error> {
+                let before = event_ids(c).len();
+                rows::flush(c)?;
+                Ok((before, event_ids(c).len()))
+            },
+            result: None,
+            reply,
+            deferred: None,
+        });
+        run_synced(&mut connection, vec![appending, reading], &conflicts);
+        assert!(
+            matches!(seen.blocking_recv(), Ok(Ok((4, 5)))),
+            "gathered, then flushed for the read"
+        );
     }
 
     #[test]

@@ -84,3 +84,59 @@ async fn a_deadlock_between_two_nodes_batches_is_retried_and_each_write_commits_
         assert_eq!(titles, ["first", "second"]);
     }
 }
+
+/// A node that stalls in the middle of a transaction (stopped, swapped out) holds its row
+/// locks; PostgreSQL ends such a transaction once it has sat idle for a few seconds, so
+/// another node can write the session again, and the stalled write fails and leaves
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_left_idle_by_a_stalled_node_is_ended_and_its_locks_released() {
+    let Some(db) = TestDb::postgres() else {
+        return;
+    };
+    let (stalled, other) = (db.open().await, db.open().await);
+    let session = new_session(&stalled).await;
+    let (locked_tx, locked) = std::sync::mpsc::channel();
+    let stalling = stalled.write_for(session, move |c| {
+        log::append(c, 0, session, vec![renamed("stalled")])?;
+        // On a run after the first, nobody waits any more.
+        locked_tx.send(()).ok();
+        // Longer than PostgreSQL lets a transaction sit idle.
+        std::thread::sleep(std::time::Duration::from_secs(7));
+        log::append(c, 0, session, vec![renamed("stalled, later")])?;
+        Ok::<_, Error>(())
+    });
+    let (stalled_result, other_result) = tokio::join!(stalling, async {
+        tokio::task::spawn_blocking(move || locked.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        // Waits on the session's row lock until the stalled transaction is ended.
+        tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            other.append(session, vec![renamed("other")]),
+        )
+        .await
+    });
+    let appended = other_result
+        .expect("the other node writes within 30 s")
+        .unwrap();
+    assert!(stalled_result.is_err(), "the stalled write failed");
+    let titles: Vec<String> = other
+        .read_log(session, 0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.event {
+            DurableEvent::Renamed(r) => Some(r.title),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(titles, ["other"], "the stalled write left nothing");
+    assert_eq!(appended[0].seq, 2);
+    // The stalled node's writer reconnects and writes again.
+    stalled
+        .append(session, vec![renamed("after")])
+        .await
+        .unwrap();
+}

@@ -37,6 +37,7 @@ backend_tests!(
     reads_return_events_after_a_seq_up_to_a_limit,
     concurrent_appends_to_many_sessions_are_group_committed_in_order,
     each_sessions_writes_commit_in_submission_order_across_several_writers,
+    a_write_reading_the_log_sees_what_earlier_writes_of_its_batch_appended,
     a_failing_write_in_a_shared_transaction_undoes_only_itself,
     the_count_of_sessions_not_deleted_follows_creations_and_deletions,
 );
@@ -396,4 +397,31 @@ async fn each_sessions_writes_commit_in_submission_order_across_several_writers(
     for (session, round, seq) in futures::future::join_all(appends).await {
         assert_eq!(seq, round + 2, "{session}: append {round} got seq {seq}");
     }
+}
+
+/// The writer gathers a batch's event rows and inserts them together before the commit;
+/// a write that reads the log in the same batch still sees the rows appended before it.
+async fn a_write_reading_the_log_sees_what_earlier_writes_of_its_batch_appended(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    // The first write holds the writer while the next two queue, so they share a batch.
+    let hold = store.write_for(session, |_| {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        Ok::<_, Error>(())
+    });
+    let append = store.append(session, vec![renamed("seen")]);
+    let read = store.write_for(session, move |c| {
+        keel_core::event::log::read(c, session, 0, 100)
+    });
+    let (held, appended, read) = tokio::join!(hold, append, read);
+    held.unwrap();
+    let appended = appended.unwrap();
+    let read = read.unwrap();
+    assert_eq!(
+        read.last().map(|e| e.seq),
+        Some(appended[0].seq),
+        "the read saw the append before it"
+    );
+    let (batches, writes) = store.stats();
+    assert!(writes > batches, "the append and the read shared a batch");
 }

@@ -1,0 +1,169 @@
+//! Inserting the log's rows: one statement per event, or gathered for the store's writer.
+//!
+//! An append's event insert is a statement of its own, and a statement costs SQLite and
+//! diesel a good share of an append, and PostgreSQL a round trip. While the writer runs
+//! a batch ([`gather`]), the rows its writes append wait here, on the writer's thread,
+//! and go in together before the batch commits ([`flush`]): a statement per 500 rows.
+//!
+//! The rows are not in the table until then, so every read of `event` on a connection
+//! that may be the writer's calls [`flush`] first ([`crate::event::log`]'s reads and
+//! recovery's); a read elsewhere sees only committed rows anyway. The writer gathers
+//! only when it runs a batch plainly: if the flush fails (a row the database refuses),
+//! it rolls the batch back and runs it again inserting each row at once, so that the
+//! write whose row is refused fails alone ([`crate::store`]'s writer).
+
+use std::cell::RefCell;
+
+use diesel::backend::Backend;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::serialize::ToSql;
+use diesel::sql_types::{BigInt, HasSqlType, Integer, Text};
+use diesel::{QueryResult, RunQueryDsl};
+
+use crate::store::Conn;
+use crate::store::fixed::fixed_query;
+
+/// One row of `event`.
+#[derive(Debug, Clone)]
+pub(crate) struct Row {
+    pub session_id: String,
+    pub seq: i64,
+    pub id: String,
+    pub type_name: &'static str,
+    pub version: i32,
+    pub data: String,
+    pub time: i64,
+}
+
+/// The most rows one statement inserts: 3,500 binds, within both databases' limits.
+const CHUNK: usize = 500;
+
+thread_local! {
+    /// The rows gathered on this thread, while it gathers.
+    static GATHERED: RefCell<Option<Vec<Row>>> = const { RefCell::new(None) };
+}
+
+/// Until [`stop`], rows inserted on this thread wait for [`flush`]; drops any rows
+/// gathered before (a batch rolled back and run again starts afresh).
+pub(crate) fn gather() {
+    GATHERED.with(|gathered| *gathered.borrow_mut() = Some(Vec::new()));
+}
+
+/// Inserts rows at once again on this thread, dropping any not flushed.
+pub(crate) fn stop() {
+    GATHERED.with(|gathered| *gathered.borrow_mut() = None);
+}
+
+/// Inserts `row`, or keeps it for [`flush`] while this thread gathers.
+pub(crate) fn insert(connection: &mut Conn, row: Row) -> QueryResult<()> {
+    let row = GATHERED.with(|gathered| match gathered.borrow_mut().as_mut() {
+        Some(rows) => {
+            rows.push(row);
+            None
+        }
+        None => Some(row),
+    });
+    match row {
+        Some(row) => insert_one(connection, &row),
+        None => Ok(()),
+    }
+}
+
+/// Inserts the rows gathered so far (nothing when this thread does not gather); this
+/// thread goes on gathering.
+pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
+    let rows = GATHERED.with(|gathered| gathered.borrow_mut().as_mut().map(std::mem::take));
+    let Some(rows) = rows else {
+        return Ok(());
+    };
+    for chunk in rows.chunks(CHUNK) {
+        match chunk {
+            [] => {}
+            // One row goes through the fixed statement, prepared once and found by type.
+            [row] => insert_one(connection, row)?,
+            rows => {
+                let insert = InsertRows { rows };
+                match connection {
+                    Conn::Sqlite(c) => insert.execute(c)?,
+                    Conn::Pg(c) => insert.execute(c)?,
+                };
+            }
+        }
+    }
+    Ok(())
+}
+
+fn insert_one(connection: &mut Conn, row: &Row) -> QueryResult<()> {
+    InsertEvent {
+        session_id: &row.session_id,
+        seq: row.seq,
+        id: &row.id,
+        type_name: row.type_name,
+        version: row.version,
+        data: &row.data,
+        time: row.time,
+    }
+    .execute(connection)?;
+    Ok(())
+}
+
+fixed_query! {
+    /// Inserts one row of the log.
+    struct InsertEvent<'a> {
+        session_id: &'a str,
+        seq: i64,
+        id: &'a str,
+        type_name: &'a str,
+        version: i32,
+        data: &'a str,
+        time: i64,
+    }
+    sql r#"INSERT INTO "event" ("session_id", "seq", "id", "type", "version", "data", "time") VALUES ("#
+        {session_id: Text} ", " {seq: BigInt} ", " {id: Text} ", " {type_name: Text} ", "
+        {version: Integer} ", " {data: Text} ", " {time: BigInt} ")"
+}
+
+/// Inserts several rows of the log in one statement. Its text depends on how many, so
+/// diesel finds its prepared statement by the text.
+struct InsertRows<'a> {
+    rows: &'a [Row],
+}
+
+impl QueryId for InsertRows<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<DB> QueryFragment<DB> for InsertRows<'_>
+where
+    DB: Backend + HasSqlType<BigInt> + HasSqlType<Integer> + HasSqlType<Text>,
+    i64: ToSql<BigInt, DB>,
+    i32: ToSql<Integer, DB>,
+    str: ToSql<Text, DB>,
+{
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
+        out.push_sql(
+            r#"INSERT INTO "event" ("session_id", "seq", "id", "type", "version", "data", "time") VALUES "#,
+        );
+        for (n, row) in self.rows.iter().enumerate() {
+            out.push_sql(if n == 0 { "(" } else { ", (" });
+            out.push_bind_param::<Text, _>(row.session_id.as_str())?;
+            out.push_sql(", ");
+            out.push_bind_param::<BigInt, _>(&row.seq)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(row.id.as_str())?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(row.type_name)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Integer, _>(&row.version)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(row.data.as_str())?;
+            out.push_sql(", ");
+            out.push_bind_param::<BigInt, _>(&row.time)?;
+            out.push_sql(")");
+        }
+        Ok(())
+    }
+}
+
+impl<C> RunQueryDsl<C> for InsertRows<'_> {}
