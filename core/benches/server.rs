@@ -63,7 +63,8 @@ struct Plan {
 fn main() {
     let (quick, _) = flags();
     // `--memory-sessions 10000` measures the memory figures alone, with those counts;
-    // `--latency-sessions 100,10000` the streaming sessions' latency figures alone.
+    // `--latency-sessions 100,10000` the streaming sessions' latency figures alone (with
+    // `--deltas N` per step).
     let counts = |name: &str| -> Option<Vec<usize>> {
         common::option(name).map(|list| {
             list.split(',')
@@ -121,6 +122,11 @@ fn run(binary: &Path, quick: bool, only: Only) -> Result<()> {
     if let Some(counts) = only.latency {
         plan.concurrent = counts;
         plan.fanout_runs = 0;
+        // `--deltas N` streams longer steps, so that many sessions overlap though they
+        // are prompted 64 at a time.
+        if let Some(deltas) = common::option("--deltas") {
+            plan.deltas = deltas.parse().context("--deltas takes a number")?;
+        }
         return runtime.block_on(latency(binary, &plan));
     }
     runtime.block_on(async {
@@ -284,6 +290,25 @@ struct Samples {
     deltas: Vec<f64>,
     /// Milliseconds from each live durable event's stamp to its arrival.
     durable: Vec<f64>,
+    /// When each follower saw its first text delta and its execution settle (ms since
+    /// the epoch): how many sessions streamed at once.
+    spans: Vec<(f64, f64)>,
+}
+
+/// The most `spans` open at one moment.
+fn most_at_once(spans: &[(f64, f64)]) -> usize {
+    let mut edges: Vec<(f64, i32)> = spans
+        .iter()
+        .flat_map(|&(start, end)| [(start, 1), (end, -1)])
+        .collect();
+    // At equal times an end comes first: a span that ends as another starts is not both.
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut open, mut most) = (0i32, 0i32);
+    for (_, step) in edges {
+        open += step;
+        most = most.max(open);
+    }
+    usize::try_from(most).unwrap_or(0)
 }
 
 /// Follows `id`'s log with ephemeral events, says when it is synced, and records every
@@ -298,6 +323,7 @@ async fn follow(client: Client, id: SessionId, synced: mpsc::Sender<()>) -> Resu
     );
     let mut samples = Samples::default();
     let mut live = false;
+    let mut first_delta = None;
     while let Some(item) = log.next().await {
         match item? {
             LogItem::Synced(_) => {
@@ -309,7 +335,9 @@ async fn follow(client: Client, id: SessionId, synced: mpsc::Sender<()>) -> Resu
             }
             LogItem::Ephemeral(e) => {
                 if let EphemeralEvent::TextDelta(_) = e.event {
-                    samples.deltas.push(now_ms() - e.time as f64);
+                    let now = now_ms();
+                    samples.deltas.push(now - e.time as f64);
+                    first_delta.get_or_insert(now);
                 }
             }
             LogItem::Durable(e) => {
@@ -317,6 +345,9 @@ async fn follow(client: Client, id: SessionId, synced: mpsc::Sender<()>) -> Resu
                     samples.durable.push(now_ms() - e.time as f64);
                 }
                 if let DurableEvent::ExecutionSettled(_) = e.event {
+                    if let Some(first) = first_delta {
+                        samples.spans.push((first, now_ms()));
+                    }
                     return Ok(samples);
                 }
             }
@@ -355,6 +386,7 @@ async fn streamed(keel: &Keel, sessions: &[SessionId], followers: usize) -> Resu
             .context("a follower waited five minutes for its session to settle")???;
         all.deltas.extend(samples.deltas);
         all.durable.extend(samples.durable);
+        all.spans.extend(samples.spans);
     }
     if all.deltas.is_empty() {
         bail!("no text delta arrived");
@@ -398,7 +430,7 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
     for &concurrent in &plan.concurrent {
         eprintln!("server: delta latency, {concurrent} streaming sessions");
         let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
-        let mut queue_maxima = Vec::new();
+        let (mut queue_maxima, mut at_once) = (Vec::new(), Vec::new());
         for _ in 0..plan.runs {
             let sessions = keel.sessions("stream/scripted", concurrent).await?;
             let (stop, stopped) = tokio::sync::oneshot::channel();
@@ -411,6 +443,7 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
             p50s.push(median(&samples.deltas));
             p99s.push(percentile(&samples.deltas, 0.99));
             queue_maxima.push(queue.iter().copied().fold(0.0, f64::max));
+            at_once.push(most_at_once(&samples.spans) as f64);
         }
         let name = format!("delta to client, {concurrent} streaming session(s)");
         report(
@@ -428,6 +461,14 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
             SERVER,
             plan.runs,
             &shape,
+        );
+        report(
+            &format!("{concurrent} sessions prompted, most streaming at once"),
+            median(&at_once),
+            "sessions",
+            SERVER,
+            plan.runs,
+            "from each session's first text delta to its execution settling",
         );
         report(
             &format!("writer queue with {concurrent} streaming session(s), most seen"),

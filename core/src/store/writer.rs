@@ -12,13 +12,12 @@
 //! transaction is rolled back (undoing whatever had been done), and the batch runs again
 //! with each write in its own savepoint (prepared statements, see [`in_savepoint`]) and
 //! its rows inserted as it appends them, where a failing write rolls back to its
-//! savepoint alone. The two
-//! statements a savepoint costs are a good share of a write (an append is four
-//! statements), so they are paid only by a batch that needs them. A batch of one write
-//! never needs them: rolling the transaction back undoes exactly that write. Running a
+//! savepoint alone. A savepoint's two statements are a good share of a write (an append
+//! is three or four), so they are paid only by a batch that needs them; a batch of one
+//! write never does: rolling the transaction back undoes exactly that write. Running a
 //! batch again relies on what conflicts rely on too (below): a write is a closure that
 //! may run more than once.
-//!
+
 //! When the transaction cannot even begin (the database dropped the connection: a
 //! restart, a failover), no write has run, so the writer reconnects, waiting for the
 //! database as long as it takes, and tries the same writes once more.
