@@ -288,10 +288,24 @@ pub fn store_committed(writes: usize, elapsed: Duration) {
     metrics.store_batch_writes.observe(writes as f64);
 }
 
-/// `waiting` writes wait for the writer.
-pub fn store_queue(waiting: usize) {
+/// The writers a store may have whose queues [`store_queue`] adds up (the most
+/// `--db-writers` allows).
+pub const WRITERS: usize = 64;
+
+/// What each writer last saw waiting, by its index.
+static QUEUES: [std::sync::atomic::AtomicUsize; WRITERS] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; WRITERS];
+
+/// `waiting` writes wait for writer `writer`; the gauge says how many wait for all of
+/// them.
+pub fn store_queue(writer: usize, waiting: usize) {
+    use std::sync::atomic::Ordering;
+    if let Some(queue) = QUEUES.get(writer) {
+        queue.store(waiting, Ordering::Relaxed);
+    }
+    let total: usize = QUEUES.iter().map(|q| q.load(Ordering::Relaxed)).sum();
     m().store_queue
-        .set(i64::try_from(waiting).unwrap_or(i64::MAX));
+        .set(i64::try_from(total).unwrap_or(i64::MAX));
 }
 
 /// A recovery pass ran, recovering and quarantining so many claims.

@@ -133,7 +133,7 @@ pub struct Options {
     /// Writer threads, each with its own connection, on PostgreSQL (SQLite has one: its
     /// database takes one writer at a time). A session's writes all go to the same one
     /// ([`Store::write_for`]), so several sessions commit at once, each batch a round
-    /// trip per statement to the server, as several nodes' writers do.
+    /// trip per statement to the server, as several nodes' writers do. At most 64.
     pub pg_writers: usize,
 }
 
@@ -258,9 +258,10 @@ impl Store {
         };
         let count = match &url {
             DbUrl::Sqlite(_) => 1,
-            DbUrl::Postgres(_) => options.pg_writers.max(1),
+            DbUrl::Postgres(_) => options.pg_writers.clamp(1, crate::metrics::WRITERS),
         };
         let mut writers = vec![writer::spawn(
+            0,
             connection,
             settings.clone(),
             options.max_batch,
@@ -268,7 +269,7 @@ impl Store {
             options.failpoint.clone(),
             deferral,
         )?];
-        for _ in 1..count {
+        for index in 1..count {
             // Only SQLite defers, and it has one writer.
             let deferral = writer::Deferral {
                 wal: None,
@@ -276,6 +277,7 @@ impl Store {
                 flush_delay: options.flush_delay,
             };
             writers.push(writer::spawn(
+                index,
                 settings.establish()?,
                 settings.clone(),
                 options.max_batch,

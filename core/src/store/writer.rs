@@ -255,8 +255,9 @@ pub(super) struct Deferral {
     pub flush_delay: std::time::Duration,
 }
 
-/// Starts the writer thread on `connection`.
+/// Starts writer `index` of its store on `connection`.
 pub(super) fn spawn(
+    index: usize,
     connection: Conn,
     settings: Settings,
     max_batch: usize,
@@ -273,7 +274,7 @@ pub(super) fn spawn(
                 connection,
                 settings,
                 receiver,
-                max_batch.max(1),
+                (index, max_batch.max(1)),
                 &stats,
                 failpoint.as_ref(),
                 deferral,
@@ -286,11 +287,12 @@ pub(super) fn spawn(
     Ok(Handle { jobs, defers })
 }
 
+/// The writer loop of writer `index`, which commits up to `max_batch` writes at once.
 fn run(
     mut connection: Conn,
     settings: Settings,
     mut receiver: mpsc::Receiver<Job>,
-    max_batch: usize,
+    (index, max_batch): (usize, usize),
     stats: &Stats,
     failpoint: Option<&Failpoint>,
     deferral: Deferral,
@@ -339,7 +341,7 @@ fn run(
                 Err(_) => break,
             }
         }
-        crate::metrics::store_queue(receiver.len());
+        crate::metrics::store_queue(index, receiver.len());
         let ordinal = stats.batches.fetch_add(1, Ordering::Relaxed);
         let fail = failpoint.is_some_and(|f| (f.0)(ordinal));
         stats
