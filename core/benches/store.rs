@@ -135,12 +135,16 @@ where
     str: ToSql<Text, DB>,
 {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
-        out.push_sql("INSERT INTO event (session_id, seq, id, type, version, data, time) VALUES ");
+        out.push_sql(RAW_INSERT);
         push_row(&mut out, (self.session_id, &self.seq, self.id), self.data)
     }
 }
 
 impl<C> RunQueryDsl<C> for RawInsert<'_> {}
+
+/// The raw ceiling's insert, before its rows.
+const RAW_INSERT: &str =
+    "INSERT INTO event (session_id, seq, id, type, version, data, time) VALUES ";
 
 /// Several rows of the raw ceiling's log in one statement (`INSERT … VALUES (…), (…)`):
 /// the fewest statements, and on PostgreSQL the fewest round trips, the driver allows
@@ -163,7 +167,7 @@ where
     str: ToSql<Text, DB>,
 {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
-        out.push_sql("INSERT INTO event (session_id, seq, id, type, version, data, time) VALUES ");
+        out.push_sql(RAW_INSERT);
         for (n, (session_id, seq, id)) in self.rows.iter().enumerate() {
             if n > 0 {
                 out.push_sql(", ");

@@ -251,34 +251,27 @@ impl Store {
             }
             _ => None,
         };
-        let deferral = writer::Deferral {
-            wal,
-            horizon: horizon.clone(),
-            flush_delay: options.flush_delay,
-        };
         let count = match &url {
             DbUrl::Sqlite(_) => 1,
             DbUrl::Postgres(_) => options.pg_writers.clamp(1, crate::metrics::WRITERS),
         };
-        let mut writers = vec![writer::spawn(
-            0,
-            connection,
-            settings.clone(),
-            options.max_batch,
-            stats.clone(),
-            options.failpoint.clone(),
-            deferral,
-        )?];
-        for index in 1..count {
-            // Only SQLite defers, and it has one writer.
+        // The first writer takes the connection that migrated; only SQLite defers, and
+        // it has one writer.
+        let mut migrated = Some((connection, wal));
+        let mut writers = Vec::with_capacity(count);
+        for index in 0..count {
+            let (connection, wal) = match migrated.take() {
+                Some(first) => first,
+                None => (settings.establish()?, None),
+            };
             let deferral = writer::Deferral {
-                wal: None,
+                wal,
                 horizon: horizon.clone(),
                 flush_delay: options.flush_delay,
             };
             writers.push(writer::spawn(
                 index,
-                settings.establish()?,
+                connection,
                 settings.clone(),
                 options.max_batch,
                 stats.clone(),

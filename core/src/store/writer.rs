@@ -631,11 +631,10 @@ impl Mode {
 struct Gathering;
 
 impl Gathering {
+    /// Gathers when `gathered`; otherwise rows go in at once, as after every attempt.
     fn start(gathered: bool) -> Self {
         if gathered {
             rows::gather();
-        } else {
-            rows::stop();
         }
         Self
     }
