@@ -5,7 +5,9 @@
 // durable event creates carries its seq in `data-seq` (what the browser tests count).
 // Ephemeral deltas only grow the fragment they belong to; the fragment's durable end
 // replaces what they showed with the whole text, so a delta lost to a reconnect leaves
-// no trace once the fragment ends.
+// no trace once the fragment ends. A delta may arrive before its fragment's start (Keel
+// publishes deltas without waiting for that start's commit): its text is kept until the
+// start arrives and shown from there.
 
 import type { Envelope, EphemeralEnvelope, KeelClient, Schemas } from "../../clients/typescript/src/index.js";
 import { append, button, count, h } from "./dom.js";
@@ -27,6 +29,9 @@ interface ToolCard {
   output?: HTMLPreElement;
 }
 
+/** Fragments whose deltas arrived before their start, at most (the oldest is dropped). */
+const EARLY_FRAGMENTS = 16;
+
 /** Longest tool output shown before "show all". */
 const OUTPUT_PREVIEW = 4000;
 
@@ -37,6 +42,8 @@ export class Conversation {
   private lastSeq = 0;
   private readonly steps = new Map<string, HTMLElement>();
   private readonly fragments = new Map<string, Fragment>();
+  /** Text of deltas whose fragment has not started yet, by fragment. */
+  private readonly early = new Map<string, string>();
   private readonly tools = new Map<string, ToolCard>();
   private readonly inputs = new Map<string, HTMLElement>();
   private readonly requests = new Map<string, HTMLElement>();
@@ -67,11 +74,16 @@ export class Conversation {
       case "session.next.text.delta":
       case "session.next.reasoning.delta": {
         const kind = event.type === "session.next.text.delta" ? "text" : "reasoning";
-        const fragment = this.fragments.get(key(event.data.assistant_message_id, event.data.ordinal, kind));
+        const id = key(event.data.assistant_message_id, event.data.ordinal, kind);
+        const fragment = this.fragments.get(id);
+        if (!fragment) {
+          this.keepEarly(id, event.data.delta);
+          return;
+        }
         // A delta can reach the page after its fragment's end: the stream sends the log
         // from the database when it catches up, and the delta published before that end
         // only afterwards. The ended text is the truth.
-        if (!fragment || fragment.ended) return;
+        if (fragment.ended) return;
         fragment.text += event.data.delta;
         fragment.element.textContent = fragment.text;
         fragment.element.classList.add("streaming");
@@ -252,8 +264,26 @@ export class Conversation {
   private fragmentStarted(seq: number, message: string, ordinal: number, kind: "text" | "reasoning"): void {
     const body = h("div", { class: kind === "text" ? "text markdown" : "reasoning-text" });
     const element = kind === "text" ? body : h("details", { class: "reasoning" }, h("summary", {}, "Reasoning"), body);
-    this.fragments.set(key(message, ordinal, kind), { element: body, text: "", ended: false });
+    const id = key(message, ordinal, kind);
+    const text = this.early.get(id) ?? "";
+    this.early.delete(id);
+    if (text) {
+      body.textContent = text;
+      body.classList.add("streaming");
+    }
+    this.fragments.set(id, { element: body, text, ended: false });
     this.add(seq, element, this.step(message));
+  }
+
+  /** Keeps a delta of fragment `id`, not started yet, for its start. */
+  private keepEarly(id: string, delta: string): void {
+    const text = (this.early.get(id) ?? "") + delta;
+    this.early.delete(id);
+    this.early.set(id, text);
+    if (this.early.size > EARLY_FRAGMENTS) {
+      const oldest = this.early.keys().next().value;
+      if (oldest !== undefined) this.early.delete(oldest);
+    }
   }
 
   private fragmentEnded(message: string, ordinal: number, kind: "text" | "reasoning", text: string): void {

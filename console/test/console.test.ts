@@ -10,8 +10,10 @@
 import assert from "node:assert/strict";
 import { existsSync, mkdirSync } from "node:fs";
 import { join } from "node:path";
+import { fileURLToPath } from "node:url";
 import { after, before, test } from "node:test";
 
+import { build } from "esbuild";
 import { chromium, type Browser, type Page } from "playwright-core";
 
 import { KeelClient } from "../../clients/typescript/src/index.js";
@@ -265,5 +267,52 @@ test("a token is asked for once and never put in a URL", { skip: missing }, asyn
     await page.getByLabel("Token").waitFor();
   } finally {
     await server.stop();
+  }
+});
+
+test("a delta that arrives before its fragment's start is shown from the start", { skip: missing }, async () => {
+  // Keel publishes a delta without waiting for its fragment's `text.started` to commit,
+  // so the start can reach the page after the first deltas. The conversation alone, in
+  // the browser, fed events in that order.
+  const bundled = await build({
+    entryPoints: [fileURLToPath(new URL("../../../src/conversation.ts", import.meta.url))],
+    bundle: true,
+    write: false,
+    format: "iife",
+    globalName: "keelConversation",
+    platform: "browser",
+    logLevel: "warning",
+  });
+  const page = await browser.newPage();
+  try {
+    await page.setContent("<!doctype html><html><body></body></html>");
+    await page.addScriptTag({ content: bundled.outputFiles[0]!.text });
+    const shown = await page.evaluate(() => {
+      const { Conversation } = (window as unknown as { keelConversation: { Conversation: any } }).keelConversation;
+      const conversation = new Conversation(undefined, "ses_1");
+      document.body.append(conversation.element);
+      const base = { session_id: "ses_1", time: 0 };
+      const message = "msg_1";
+      const delta = (text: string) =>
+        conversation.live({ ...base, type: "session.next.text.delta", data: { assistant_message_id: message, ordinal: 0, delta: text } });
+      const text = () => document.querySelector(".message.assistant .text")?.textContent ?? null;
+      conversation.apply({
+        ...base,
+        seq: 1,
+        type: "session.next.step.started",
+        data: { assistant_message_id: message, step: 1, agent: "build", model: { provider: "demo", id: "demo" } },
+      });
+      delta("Hel");
+      const beforeStart = text();
+      conversation.apply({ ...base, seq: 2, type: "session.next.text.started", data: { assistant_message_id: message, ordinal: 0 } });
+      const atStart = text();
+      delta("lo");
+      const streamed = text();
+      conversation.apply({ ...base, seq: 3, type: "session.next.text.ended", data: { assistant_message_id: message, ordinal: 0, text: "Hello" } });
+      return [beforeStart, atStart, streamed, text()];
+    });
+    assert.deepEqual(shown, [null, "Hel", "Hello", "Hello"]);
+  } finally {
+    await page.close();
   }
 });

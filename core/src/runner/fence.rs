@@ -149,7 +149,7 @@ impl Engine {
     }
 
     /// Publishes events of a deferred commit live once `durable` says they are on disk;
-    /// the session's later events wait behind them ([`super::live`]).
+    /// the session's later durable events wait behind them ([`super::live`]).
     pub(super) fn publish_when_durable(&self, envelopes: &[Envelope], durable: Durable) {
         let Some(session) = envelopes.first().map(|e| e.session_id) else {
             return;

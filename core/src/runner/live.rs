@@ -10,8 +10,11 @@
 //! receiver); the log is the truth.
 //!
 //! Events of a deferred commit ([`crate::store::Durable`]) are published only once they
-//! are on disk, and everything published for their session meanwhile waits behind them,
-//! so a session's events still go out in order ([`Hub::publish_when_durable`]).
+//! are on disk, and the durable events published for their session meanwhile wait behind
+//! them, so a session's durable events still go out in seq order
+//! ([`Hub::publish_when_durable`]). Ephemeral events never wait: a delta is live only,
+//! and may go out before the durable event that opened its fragment
+//! ([`super::outbox`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -128,10 +131,10 @@ impl Hub {
         channel.sender.subscribe()
     }
 
-    /// Hands `live` to every subscriber and to the followers of its session, after
-    /// whatever of its session waits for the disk.
+    /// Hands `live` to every subscriber and to the followers of its session; a durable
+    /// event after those of its session that wait for the disk.
     pub fn publish(&self, live: Live) {
-        if self.waiting.count.load(Ordering::Acquire) > 0 {
+        if !matches!(live, Live::Ephemeral(_)) && self.waiting.count.load(Ordering::Acquire) > 0 {
             let mut waiting = lock(&self.waiting.sessions);
             if let Some(queue) = waiting.get_mut(&session_of(&live)) {
                 queue.events.push(live);
@@ -142,7 +145,7 @@ impl Hub {
     }
 
     /// Publishes `events`, committed by a deferred write, once `durable` says they are on
-    /// disk; their session's later events wait behind them. If the sync fails they are
+    /// disk; their session's later durable events wait behind them. If the sync fails they are
     /// not published at all: a follower finds them in the log once a later commit has
     /// made them durable.
     pub fn publish_when_durable(
@@ -194,8 +197,8 @@ impl Hub {
                         // nothing published meanwhile overtakes the queue: `publish` skips
                         // the lock only once no queue is counted.
                         let queue = waiting.remove(&session).unwrap_or_default();
-                        for live in queue.events {
-                            if synced || matches!(live, Live::Ephemeral(_)) {
+                        if synced {
+                            for live in queue.events {
                                 self.send(live);
                             }
                         }
@@ -343,7 +346,7 @@ pub(crate) mod tests {
     }
 
     #[tokio::test]
-    async fn a_deferred_commits_events_go_out_once_on_disk_and_what_follows_waits_behind() {
+    async fn a_deferred_commits_events_go_out_once_on_disk_and_durable_ones_after_wait_behind() {
         let hub = Hub::default();
         let (mine, other) = (SessionId::new(), SessionId::new());
         let mut follower = hub.follow(mine, 0);
@@ -357,7 +360,11 @@ pub(crate) mod tests {
         hub.publish(delta(mine));
         hub.publish(durable(mine, 7));
         hub.publish(durable(other, 1));
-        assert_eq!(received(&mut follower).await, [], "nothing before the sync");
+        assert_eq!(
+            received(&mut follower).await,
+            [None],
+            "no durable event before the sync; a delta does not wait"
+        );
         assert_eq!(
             received(&mut others).await,
             [Some(1)],
@@ -365,10 +372,7 @@ pub(crate) mod tests {
         );
 
         synced.send(Ok(())).unwrap();
-        assert_eq!(
-            received(&mut follower).await,
-            [Some(5), Some(6), None, Some(7)]
-        );
+        assert_eq!(received(&mut follower).await, [Some(5), Some(6), Some(7)]);
         hub.publish(durable(mine, 8));
         assert_eq!(received(&mut follower).await, [Some(8)], "no longer held");
     }

@@ -13,7 +13,7 @@
 //! - `drain`: the boundaries and the loop of steps;
 //! - `step`: one step as a state machine: the provider's response, the calls it made;
 //! - `receive`: the response read ahead on its own task, each event stamped on arrival;
-//! - `burst`: what the stream has ready, committed together and published in order;
+//! - `outbox`: the step's output on its way out: deltas at once, commits behind them;
 //! - `translate`: provider events into Keel's events, under the fragment rules;
 //! - `tools`: a step's local calls: permissions, questions, starting tools, results;
 //! - `retry`, `compaction`: what a step does when the provider refuses before output;
@@ -24,7 +24,6 @@
 //! - `rerun`: calls a crash cut off that may run again, run once after recovery;
 //! - `settings`, `error`: what a runner is built from, and how a drain fails.
 
-mod burst;
 mod compaction;
 mod context;
 mod drain;
@@ -33,6 +32,7 @@ mod error;
 mod fence;
 mod handle;
 pub mod live;
+mod outbox;
 mod receive;
 mod rerun;
 mod retry;

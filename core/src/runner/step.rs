@@ -12,9 +12,9 @@
 //! say, retrying and interrupted at once. Once the response is [`Over`] and every call
 //! joined, [`Step::end`] writes or hands back the step's end.
 //!
-//! Rules kept here: whatever the stream has ready goes out together, its durable events in
-//! one fenced write, then everything live in order ([`super::burst`]); local calls start only
-//! after their `tool.called` commits, run concurrently, and are all joined before the step
+//! Rules kept here: whatever the stream has ready goes out together, its deltas live at
+//! once and its durable events in a fenced write that the step does not wait for
+//! ([`super::outbox`]); local calls start only after their `tool.called` commits, run concurrently, and are all joined before the step
 //! ends, the result of the last one held for the step's end; a hosted call left unresolved
 //! at the end of the stream fails ([`super::translate`]). Each step ends in exactly one of
 //! `step.ended`, `step.failed` or `step.interrupted`; a step that ended leaves those
@@ -40,9 +40,9 @@ use keel_schema::types::{
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use super::burst::Burst;
 use super::compaction::{Compacted, estimate_tokens, needs_compaction};
 use super::fence::Held;
+use super::outbox::Outbox;
 use super::receive::{ReadAhead, Received};
 use super::tools::{QUESTION, Ran, result_event};
 use super::translate::{Known, Translator};
@@ -263,7 +263,8 @@ pub(super) struct Step<'a> {
     resumed: bool,
     /// A refused permission or a dismissed question stops the continuation.
     pub(super) stopped: Option<InterruptReason>,
-    pub(super) burst: Burst,
+    /// Output read and not yet committed or published.
+    pub(super) outbox: Outbox<'a>,
     /// The results of the calls that finished last, held for the step's closing write.
     last_results: Vec<DurableEvent>,
     cancel: &'a CancellationToken,
@@ -512,7 +513,7 @@ impl<'a> Step<'a> {
             called_tools: false,
             resumed: false,
             stopped: None,
-            burst: Burst::default(),
+            outbox: Outbox::default(),
             last_results: Vec::new(),
             cancel,
             calls_cancel: cancel.child_token(),
@@ -548,12 +549,17 @@ impl<'a> Step<'a> {
                 Some(joined) = self.calls.join_next(), if !self.calls.is_empty() => {
                     self.on_tool_done(joined).await?;
                 }
+                // Before the stream's arm: `biased` polls the arms in order, and the
+                // commit is sent to the writer when first polled.
+                committed = self.outbox.committed(), if self.outbox.is_committing() => {
+                    self.on_committed(committed)?;
+                }
                 item = next_event(&mut self.response), if self.response.is_streaming() => {
                     self.on_stream_batch(item).await?;
                 }
             }
         };
-        self.commit_burst().await?;
+        self.flush().await?;
         self.end(over).await
     }
 
@@ -573,7 +579,7 @@ impl<'a> Step<'a> {
     }
 
     /// Takes `first` and everything else the stream has ready, so deltas go out batched
-    /// and the durable events commit in one write, and moves the response on.
+    /// and the durable events commit together, and moves the response on.
     async fn on_stream_batch(&mut self, first: Option<Received>) -> Result<(), Error> {
         let Response::Streaming {
             mut stream,
@@ -606,11 +612,11 @@ impl<'a> Step<'a> {
                     Err(e) => break Response::Over(Over::Failed(e)),
                     Ok(actions) => {
                         said = true;
-                        self.burst
+                        self.outbox
                             .extend(actions.durable, actions.ephemeral, arrived);
                         if !actions.launch.is_empty() {
                             // A local call starts only once its `tool.called` committed.
-                            self.commit_burst().await?;
+                            self.flush().await?;
                         }
                         for launch in actions.launch {
                             self.called_tools = true;
@@ -624,7 +630,7 @@ impl<'a> Step<'a> {
                 None => break Response::Streaming { stream, said },
             }
         };
-        self.commit_burst().await?;
+        self.send();
         self.response = next;
         Ok(())
     }

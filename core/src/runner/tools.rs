@@ -270,6 +270,8 @@ impl Step<'_> {
         if matches!(result, Err(tool::Error::Interrupted)) && self.is_interrupted() {
             return Ok(());
         }
+        // After the output read before it.
+        self.flush().await?;
         self.engine
             .commit(self.held, vec![result_event(call_id, result)])
             .await?;

@@ -830,3 +830,84 @@ async fn a_steps_cost_comes_from_its_usage_and_the_models_prices_and_adds_up_per
         .cost;
     assert!((total - 2.0 * one).abs() < 1e-12, "{total}");
 }
+
+/// The next live event that is a text delta or a durable text event, as "delta:…",
+/// "started" or "ended:…"; fails when none comes within 10 s.
+async fn next_text(live: &mut tokio::sync::broadcast::Receiver<Live>) -> String {
+    loop {
+        let item = tokio::time::timeout(Duration::from_secs(10), live.recv())
+            .await
+            .expect("no text event within 10 s")
+            .unwrap();
+        match item {
+            Live::Ephemeral(e) => {
+                if let keel_schema::event::EphemeralEvent::TextDelta(d) = e.event {
+                    return format!("delta:{}", d.delta);
+                }
+            }
+            Live::Durable(e) => match e.event {
+                DurableEvent::TextStarted(_) => return "started".into(),
+                DurableEvent::TextEnded(t) => return format!("ended:{}", t.text),
+                _ => {}
+            },
+            Live::Remote(_) => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn deltas_go_live_while_their_fragment_s_start_waits_for_the_writer() {
+    let (mut hold, failpoint) = Hold::new();
+    let h = Harness::new(Setup {
+        failpoint: Some(failpoint),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let stream = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let run = h.spawn_run(session);
+    loop {
+        if let Live::Durable(e) = live.recv().await.unwrap()
+            && matches!(e.event, DurableEvent::StepStarted(_))
+        {
+            break;
+        }
+    }
+    // The next commit carries `text.started`: the writer is held before it.
+    hold.at(h.store.stats().0);
+    stream.send(Ok(Event::TextStart)).unwrap();
+    stream.send(Ok(Event::TextDelta("Hel".into()))).unwrap();
+    hold.reached().await;
+    assert_eq!(next_text(&mut live).await, "delta:Hel");
+    // The step goes on reading while the commit waits; what it reads meanwhile waits for
+    // the next commit.
+    stream.send(Ok(Event::TextDelta("lo".into()))).unwrap();
+    assert_eq!(next_text(&mut live).await, "delta:lo");
+    stream.send(Ok(Event::TextEnd)).unwrap();
+    stream
+        .send(Ok(Event::Finish {
+            finish: Finish::Stop,
+            usage: Usage::default(),
+        }))
+        .unwrap();
+    drop(stream);
+    hold.release();
+    run.await.unwrap().unwrap();
+
+    assert_eq!(next_text(&mut live).await, "started");
+    assert_eq!(next_text(&mut live).await, "ended:Hello");
+    let kinds = h.kinds(session).await;
+    let from = kinds.iter().position(|k| k == "step.started").unwrap();
+    assert_eq!(
+        kinds[from..],
+        [
+            "step.started",
+            "text.started",
+            "text.ended",
+            "step.ended",
+            "execution.settled"
+        ]
+    );
+}

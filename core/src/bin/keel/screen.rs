@@ -7,31 +7,59 @@ use keel_client::schema::event::{DurableEvent, Envelope, EphemeralEvent};
 use keel_client::schema::id::MessageId;
 use keel_client::schema::types::{Outcome, ToolContent};
 
+/// A text fragment: (assistant message, ordinal).
+type Fragment = (MessageId, u32);
+
 /// Writes a session's activity to the terminal: text as it streams, a line per tool
 /// call and result. Text whose deltas were missed (a reconnect, or deltas sent while the
 /// history was read) is completed from its durable `text.ended`; deltas of a text already
-/// ended are ignored.
-#[derive(Default)]
-pub struct Screen {
-    /// Text written so far per (assistant message, part ordinal).
-    written: HashMap<(MessageId, u32), String>,
+/// ended are ignored. Deltas may come before their fragment's start and before the end
+/// of the fragment before theirs (Keel publishes them without waiting for those commits):
+/// each fragment's text starts on a line of its own.
+pub struct Screen<W: Write = std::io::Stdout> {
+    out: W,
+    /// Text written so far per fragment.
+    written: HashMap<Fragment, String>,
     /// Texts whose `text.ended` has been written.
-    ended: HashSet<(MessageId, u32)>,
+    ended: HashSet<Fragment>,
+    /// The fragment whose text the current line holds.
+    current: Option<Fragment>,
     /// Tool names by call, to name results.
     tools: HashMap<String, String>,
     /// Whether the cursor is mid-line.
     mid_line: bool,
 }
 
-impl Screen {
+impl Default for Screen {
+    fn default() -> Self {
+        Self::new(std::io::stdout())
+    }
+}
+
+impl<W: Write> Screen<W> {
+    pub fn new(out: W) -> Self {
+        Self {
+            out,
+            written: HashMap::new(),
+            ended: HashSet::new(),
+            current: None,
+            tools: HashMap::new(),
+            mid_line: false,
+        }
+    }
+
     pub fn ephemeral(&mut self, event: &EphemeralEvent) {
-        if let EphemeralEvent::TextDelta(delta) = event
-            && !self
-                .ended
-                .contains(&(delta.assistant_message_id, delta.ordinal))
-        {
+        if let EphemeralEvent::TextDelta(delta) = event {
+            let fragment = (delta.assistant_message_id, delta.ordinal);
+            if self.ended.contains(&fragment) {
+                return;
+            }
+            if self.current != Some(fragment) {
+                self.line("");
+                self.current = Some(fragment);
+            }
             self.written
-                .entry((delta.assistant_message_id, delta.ordinal))
+                .entry(fragment)
                 .or_default()
                 .push_str(&delta.delta);
             self.write(&delta.delta);
@@ -41,19 +69,24 @@ impl Screen {
     pub fn durable(&mut self, envelope: &Envelope) {
         match &envelope.event {
             DurableEvent::TextEnded(ended) => {
-                self.ended
-                    .insert((ended.assistant_message_id, ended.ordinal));
-                let written = self
-                    .written
-                    .remove(&(ended.assistant_message_id, ended.ordinal))
-                    .unwrap_or_default();
-                match ended.text.strip_prefix(written.as_str()) {
-                    Some(rest) => self.write(rest),
-                    None => {
+                let fragment = (ended.assistant_message_id, ended.ordinal);
+                self.ended.insert(fragment);
+                let written = self.written.remove(&fragment).unwrap_or_default();
+                let rest = ended.text.strip_prefix(written.as_str());
+                let finishing = self.current == Some(fragment);
+                match (finishing, rest) {
+                    // The current line holds this text: finish it.
+                    (true, Some(rest)) => self.write(rest),
+                    // Written in full; a later text holds the line.
+                    (false, Some("")) => return,
+                    // Missed, or cut off by another text: the whole text on lines of its
+                    // own.
+                    _ => {
                         self.line("");
                         self.write(&ended.text);
                     }
                 }
+                self.current = None;
                 self.line("");
             }
             DurableEvent::ToolCalled(call) => {
@@ -118,9 +151,8 @@ impl Screen {
         if text.is_empty() {
             return;
         }
-        let mut stdout = std::io::stdout().lock();
         // The terminal is best effort: a closed stdout must not stop the session.
-        drop(write!(stdout, "{text}").and_then(|()| stdout.flush()));
+        drop(write!(self.out, "{text}").and_then(|()| self.out.flush()));
         self.mid_line = !text.ends_with('\n');
     }
 
@@ -130,7 +162,67 @@ impl Screen {
             self.write("\n");
         }
         if !text.is_empty() {
+            // Whatever text the line held is over.
+            self.current = None;
             self.write(&format!("{text}\n"));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_client::schema::event::payload;
+    use keel_client::schema::id::{EventId, SessionId};
+
+    use super::*;
+
+    fn delta(message: MessageId, ordinal: u32, text: &str) -> EphemeralEvent {
+        EphemeralEvent::TextDelta(payload::TextDelta {
+            assistant_message_id: message,
+            ordinal,
+            delta: text.into(),
+        })
+    }
+
+    fn ended(message: MessageId, ordinal: u32, text: &str) -> Envelope {
+        Envelope {
+            id: EventId::new(),
+            seq: 1,
+            session_id: SessionId::new(),
+            time: 0,
+            event: DurableEvent::TextEnded(payload::TextEnded {
+                assistant_message_id: message,
+                ordinal,
+                text: text.into(),
+            }),
+        }
+    }
+
+    fn shown(screen: Screen<Vec<u8>>) -> String {
+        String::from_utf8(screen.out).unwrap()
+    }
+
+    #[test]
+    fn each_text_has_its_lines_when_the_next_one_streams_before_its_end() {
+        let message = MessageId::new();
+        let mut screen = Screen::new(Vec::new());
+        screen.ephemeral(&delta(message, 0, "First"));
+        screen.ephemeral(&delta(message, 0, " text."));
+        screen.ephemeral(&delta(message, 1, "Second"));
+        screen.durable(&ended(message, 0, "First text."));
+        screen.ephemeral(&delta(message, 1, " one."));
+        screen.durable(&ended(message, 1, "Second one."));
+        screen.ephemeral(&delta(message, 1, "late"));
+        assert_eq!(shown(screen), "First text.\nSecond one.\n");
+    }
+
+    #[test]
+    fn a_text_whose_deltas_were_missed_is_written_from_its_end() {
+        let message = MessageId::new();
+        let mut screen = Screen::new(Vec::new());
+        screen.ephemeral(&delta(message, 0, "Par"));
+        screen.durable(&ended(message, 0, "Partly seen."));
+        screen.durable(&ended(message, 1, "Never seen."));
+        assert_eq!(shown(screen), "Partly seen.\nNever seen.\n");
     }
 }
