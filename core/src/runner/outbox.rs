@@ -15,7 +15,9 @@
 //! fragment by (message, ordinal) or call, whichever arrives first. What must be durable
 //! before something acts on it waits for [`Step::flush`]: a local call starts only after
 //! its `tool.called` committed, a call's result, a retry and the step's end commit after
-//! everything before them.
+//! everything before them. A step that breaks off drops what it has not committed, as a
+//! crash would: its `step.failed` closes it, and no output read after a failed commit
+//! is committed, so the log has no gap inside a fragment.
 
 use std::future::Future;
 use std::pin::Pin;

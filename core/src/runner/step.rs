@@ -14,8 +14,9 @@
 //!
 //! Rules kept here: whatever the stream has ready goes out together, its deltas live at
 //! once and its durable events in a fenced write that the step does not wait for
-//! ([`super::outbox`]); local calls start only after their `tool.called` commits, run concurrently, and are all joined before the step
-//! ends, the result of the last one held for the step's end; a hosted call left unresolved
+//! ([`super::outbox`]); local calls start only after their `tool.called` commits, run
+//! concurrently, and are all joined before the step ends, the result of the last one
+//! held for the step's end; a hosted call left unresolved
 //! at the end of the stream fails ([`super::translate`]). Each step ends in exactly one of
 //! `step.ended`, `step.failed` or `step.interrupted`; a step that ended leaves those
 //! closing events to the drain ([`Ended`]). A step whose only calls left wait for a person
