@@ -10,11 +10,12 @@
 //! receiver); the log is the truth.
 //!
 //! Events of a deferred commit ([`crate::store::Durable`]) are published only once they
-//! are on disk, and the durable events published for their session meanwhile wait behind
-//! them, so a session's durable events still go out in seq order
-//! ([`Hub::publish_when_durable`]). Ephemeral events never wait: a delta is live only,
-//! and may go out before the durable event that opened its fragment
-//! ([`super::outbox`]).
+//! are on disk, and everything published for their session meanwhile waits behind them
+//! ([`Hub::publish_when_durable`]): durable events so that they still go out in seq
+//! order, deltas so that none goes out before the step boundary that precedes it (a
+//! deferred commit is a boundary: the last step's results and end, the next step's
+//! start). Within a step a delta may still go out before the durable event that opened
+//! its fragment ([`super::outbox`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -131,10 +132,10 @@ impl Hub {
         channel.sender.subscribe()
     }
 
-    /// Hands `live` to every subscriber and to the followers of its session; a durable
-    /// event after those of its session that wait for the disk.
+    /// Hands `live` to every subscriber and to the followers of its session, after
+    /// whatever of its session waits for the disk.
     pub fn publish(&self, live: Live) {
-        if !matches!(live, Live::Ephemeral(_)) && self.waiting.count.load(Ordering::Acquire) > 0 {
+        if self.waiting.count.load(Ordering::Acquire) > 0 {
             let mut waiting = lock(&self.waiting.sessions);
             if let Some(queue) = waiting.get_mut(&session_of(&live)) {
                 queue.events.push(live);
@@ -145,7 +146,7 @@ impl Hub {
     }
 
     /// Publishes `events`, committed by a deferred write, once `durable` says they are on
-    /// disk; their session's later durable events wait behind them. If the sync fails they are
+    /// disk; their session's later events wait behind them. If the sync fails they are
     /// not published at all: a follower finds them in the log once a later commit has
     /// made them durable.
     pub fn publish_when_durable(
@@ -197,8 +198,10 @@ impl Hub {
                         // nothing published meanwhile overtakes the queue: `publish` skips
                         // the lock only once no queue is counted.
                         let queue = waiting.remove(&session).unwrap_or_default();
-                        if synced {
-                            for live in queue.events {
+                        // Without the sync only the deltas go: the durable events are
+                        // found in the log once a later commit has made them durable.
+                        for live in queue.events {
+                            if synced || matches!(live, Live::Ephemeral(_)) {
                                 self.send(live);
                             }
                         }
@@ -346,7 +349,7 @@ pub(crate) mod tests {
     }
 
     #[tokio::test]
-    async fn a_deferred_commits_events_go_out_once_on_disk_and_durable_ones_after_wait_behind() {
+    async fn a_deferred_commits_events_go_out_once_on_disk_and_what_follows_waits_behind() {
         let hub = Hub::default();
         let (mine, other) = (SessionId::new(), SessionId::new());
         let mut follower = hub.follow(mine, 0);
@@ -360,11 +363,7 @@ pub(crate) mod tests {
         hub.publish(delta(mine));
         hub.publish(durable(mine, 7));
         hub.publish(durable(other, 1));
-        assert_eq!(
-            received(&mut follower).await,
-            [None],
-            "no durable event before the sync; a delta does not wait"
-        );
+        assert_eq!(received(&mut follower).await, [], "nothing before the sync");
         assert_eq!(
             received(&mut others).await,
             [Some(1)],
@@ -372,7 +371,10 @@ pub(crate) mod tests {
         );
 
         synced.send(Ok(())).unwrap();
-        assert_eq!(received(&mut follower).await, [Some(5), Some(6), Some(7)]);
+        assert_eq!(
+            received(&mut follower).await,
+            [Some(5), Some(6), None, Some(7)]
+        );
         hub.publish(durable(mine, 8));
         assert_eq!(received(&mut follower).await, [Some(8)], "no longer held");
     }

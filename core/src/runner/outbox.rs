@@ -10,9 +10,10 @@
 //! are published when it is done, in seq order.
 //!
 //! So a delta may go out before the durable event that opened its fragment
-//! (`text.started`) and before the end of the fragment before it: a delta is live only,
-//! and that event is its fragment's durable record; readers attach a delta to its
-//! fragment by (message, ordinal) or call, whichever arrives first. What must be durable
+//! (`text.started`) and before the end of the fragment before it, though never before an
+//! earlier step's events ([`super::live`]): a delta is live only, and that event is its
+//! fragment's durable record; readers attach a delta to its fragment by (message,
+//! ordinal) or call, whichever arrives first. What must be durable
 //! before something acts on it waits for [`Step::flush`]: a local call starts only after
 //! its `tool.called` committed, a call's result, a retry and the step's end commit after
 //! everything before them. A step that breaks off drops what it has not committed, as a

@@ -911,3 +911,86 @@ async fn deltas_go_live_while_their_fragment_s_start_waits_for_the_writer() {
         ]
     );
 }
+
+/// A step boundary after tool calls commits without waiting for the disk and is published
+/// once there; the next step's deltas, published as they are read, must not overtake it:
+/// a client would show the next answer before the results it answers.
+#[tokio::test]
+async fn the_next_step_s_deltas_wait_behind_a_boundary_not_yet_on_disk() {
+    let (mut hold, failpoint) = Hold::new();
+    let h = Harness::new(Setup {
+        failpoint: Some(failpoint),
+        // The boundary reaches the disk only with the next step's first commit.
+        flush_delay: Some(Duration::from_secs(600)),
+        ..Setup::default()
+    })
+    .await;
+    let session = h.session_on("driven").await;
+    h.admit(session, "go", Delivery::Queue).await;
+    let first = h.driven.queue();
+    let second = h.driven.queue();
+    let mut live = h.runner.subscribe();
+    let run = h.spawn_run(session);
+    first
+        .send(Ok(Event::ToolCall {
+            id: "c1".into(),
+            name: "probe".into(),
+            input: "{}".into(),
+            provider_executed: false,
+        }))
+        .unwrap();
+    first
+        .send(Ok(Event::Finish {
+            finish: Finish::ToolCalls,
+            usage: Usage::default(),
+        }))
+        .unwrap();
+    drop(first);
+    // The second request is made once the boundary committed; the next commit is the
+    // second step's first, which carries the boundary to the disk: the writer is held
+    // before it.
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while h.driven.requests.lock().unwrap().len() < 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the second step made no request");
+    hold.at(h.store.stats().0);
+    second.send(Ok(Event::TextStart)).unwrap();
+    second.send(Ok(Event::TextDelta("Done".into()))).unwrap();
+    hold.reached().await;
+    second.send(Ok(Event::TextEnd)).unwrap();
+    second
+        .send(Ok(Event::Finish {
+            finish: Finish::Stop,
+            usage: Usage::default(),
+        }))
+        .unwrap();
+    drop(second);
+    hold.release();
+    run.await.unwrap().unwrap();
+
+    let mut order = Vec::new();
+    while let Ok(item) = live.try_recv() {
+        order.push(match item {
+            Live::Durable(e) => e
+                .event
+                .type_name()
+                .trim_start_matches("session.next.")
+                .to_owned(),
+            Live::Ephemeral(_) => "delta".to_owned(),
+            Live::Remote(_) => continue,
+        });
+    }
+    let delta = order.iter().position(|k| k == "delta").expect("{order:?}");
+    let success = order
+        .iter()
+        .position(|k| k == "tool.success")
+        .expect("{order:?}");
+    let second_start = order
+        .iter()
+        .rposition(|k| k == "step.started")
+        .expect("{order:?}");
+    assert!(success < delta && second_start < delta, "{order:?}");
+}

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use diesel::RunQueryDsl;
 use keel_core::clock::ManualClock;
@@ -269,6 +270,9 @@ pub struct Setup {
     pub tools: Vec<Arc<dyn Tool>>,
     /// MCP servers.
     pub mcp: Vec<keel_core::mcp::Spec>,
+    /// How long a deferred commit waits for a synced one before the writer syncs it;
+    /// the store's default otherwise.
+    pub flush_delay: Option<Duration>,
 }
 
 impl Harness {
@@ -281,6 +285,7 @@ impl Harness {
             Options {
                 clock: clock.clone(),
                 failpoint: setup.failpoint,
+                flush_delay: setup.flush_delay.unwrap_or(Options::default().flush_delay),
                 ..Options::default()
             },
         )
