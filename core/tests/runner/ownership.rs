@@ -78,11 +78,16 @@ async fn output_of_a_stream_that_began_before_ownership_changed_is_not_published
     let run = h.spawn_run(session);
     stream.send(Ok(Event::TextStart)).unwrap();
     stream.send(Ok(Event::TextDelta("before".into()))).unwrap();
-    loop {
-        if let Live::Ephemeral(e) = live.recv().await.unwrap()
-            && matches!(e.event, EphemeralEvent::TextDelta(_))
-        {
-            break;
+    // The delta goes out as read, its fragment's start once committed, in either order:
+    // ownership changes once both are out, with the step still reading its stream.
+    let (mut delta, mut started) = (false, false);
+    while !(delta && started) {
+        match live.recv().await.unwrap() {
+            Live::Ephemeral(e) if matches!(e.event, EphemeralEvent::TextDelta(_)) => delta = true,
+            Live::Durable(e) if e.event.type_name() == "session.next.text.started" => {
+                started = true;
+            }
+            _ => {}
         }
     }
     lose_ownership(&h, session).await;
