@@ -17,7 +17,8 @@
 //!   and after each of them starts a step that streams and then waits inside the model.
 //!
 //! The clients run on the same two cores as the server, so every latency here includes
-//! the cost of the clients themselves.
+//! the cost of the clients themselves. `KEEL_BENCH_BINARY=path` measures another build
+//! of `keel` with the same clients, for before-and-after pairs run alternately.
 
 mod common;
 
@@ -76,7 +77,13 @@ fn main() {
         memory: counts("--memory-sessions"),
         latency: counts("--latency-sessions"),
     };
-    if let Err(e) = run(Path::new(env!("CARGO_BIN_EXE_keel")), quick, only) {
+    // `KEEL_BENCH_BINARY` runs another build of `keel` instead (before and after a
+    // change, say, with the same clients).
+    let binary = std::env::var_os("KEEL_BENCH_BINARY").map_or_else(
+        || env!("CARGO_BIN_EXE_keel").into(),
+        std::path::PathBuf::from,
+    );
+    if let Err(e) = run(&binary, quick, only) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

@@ -3,17 +3,21 @@
 //! `GET /api/session/{id}/log`: durable events after `after` (or `Last-Event-ID`), each
 //! with `id: <seq>`, then one `event: synced`, then live events while `follow`. The
 //! stream follows only its session ([`crate::runner::live`]), subscribing before the
-//! history is read. A live durable event goes out as published when it is the next seq
-//! after the last one sent; any other gap makes the stream read the log past that seq,
-//! so a reconnect at any point yields every durable event exactly once, in order. A
-//! periodic catch-up read covers anything a notification missed. Ephemeral events keep
-//! the session's publish order too: one published before a durable event the stream has
-//! already sent from the log is dropped ([`route`]).
+//! history is read, and is driven by the response body itself ([`LogStream`]): an event
+//! goes from the session's channel to the connection with no task or queue between. A
+//! live durable event goes out as published when it is the next seq after the last one
+//! sent; any other gap makes the stream read the log past that seq, so a reconnect at
+//! any point yields every durable event exactly once, in order. A periodic catch-up read
+//! covers anything a notification missed. Ephemeral events keep the session's publish
+//! order too: one published before a durable event the stream has already sent from the
+//! log is dropped ([`route`]).
 //!
 //! `GET /api/event`: live events of all sessions. Each subscriber has a bounded queue; one
 //! that falls behind is sent `event: lagged` and disconnected, never silently skipped.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
@@ -21,12 +25,14 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use keel_schema::api::{Lagged, LaggedType, LogQuery, Synced, SyncedType};
 use keel_schema::event::Envelope;
+use keel_schema::id::SessionId;
 use tokio::sync::{broadcast, mpsc};
 
 use super::extract::SessionPath;
 use super::{ApiError, AppState};
 use crate::runner::Live;
 use crate::runner::live::{Published, envelope_json};
+use crate::store::Store;
 
 /// An event stream, with `X-Accel-Buffering: no` so a reverse proxy that buffers
 /// responses (nginx) passes each event on at once.
@@ -42,10 +48,11 @@ type Events = (
 /// How many events are read from the log at a time.
 const PAGE: u32 = 500;
 
-fn stream(mut rx: mpsc::Receiver<Event>, heartbeat: std::time::Duration) -> Events {
-    let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok)));
-    let sse = Sse::new(Box::pin(events) as futures::stream::BoxStream<'static, _>)
-        .keep_alive(KeepAlive::new().interval(heartbeat));
+fn stream(
+    events: futures::stream::BoxStream<'static, Result<Event, Infallible>>,
+    heartbeat: std::time::Duration,
+) -> Events {
+    let sse = Sse::new(events).keep_alive(KeepAlive::new().interval(heartbeat));
     (
         [(
             axum::http::HeaderName::from_static("x-accel-buffering"),
@@ -91,94 +98,128 @@ pub async fn session_log(
     };
 
     // Subscribe before reading the history, so nothing committed meanwhile is missed.
-    let mut live = state.runner.follow(id, committed);
-    let (tx, rx) = mpsc::channel(256);
-    let heartbeat = state.heartbeat;
-    let store = state.store.clone();
-    tokio::spawn(async move {
-        let _open = crate::metrics::stream_opened();
-        let mut last = after;
-        // Sends the log past `last`; false when the client is gone or the log unreadable.
-        let catch_up = |last: u64| {
-            let store = store.clone();
-            let tx = tx.clone();
-            async move {
-                let mut last = last;
-                loop {
-                    let page = match store.read_log(id, last, PAGE).await {
+    let live = state.runner.follow(id, committed);
+    let log = LogStream {
+        store: state.store.clone(),
+        id,
+        live,
+        ephemeral,
+        follow,
+        last: after,
+        read: VecDeque::new(),
+        phase: Phase::History,
+        tick: {
+            let mut tick = tokio::time::interval_at(
+                tokio::time::Instant::now() + state.heartbeat,
+                state.heartbeat,
+            );
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick
+        },
+        _open: crate::metrics::stream_opened(),
+    };
+    let events = futures::stream::unfold(log, |mut log| async move {
+        let event = log.next().await?;
+        Some((Ok(event), log))
+    });
+    Ok(stream(Box::pin(events), state.heartbeat))
+}
+
+/// A session's log stream, driven by the response body that sends it: no task or queue
+/// of its own between the session's channel and the connection.
+struct LogStream {
+    store: Store,
+    id: SessionId,
+    live: broadcast::Receiver<Arc<Published>>,
+    ephemeral: bool,
+    follow: bool,
+    /// The last durable seq sent.
+    last: u64,
+    /// Events read from the log, not sent yet.
+    read: VecDeque<Event>,
+    phase: Phase,
+    /// A catch-up read every heartbeat, for anything a notification missed.
+    tick: tokio::time::Interval,
+    _open: crate::metrics::StreamGuard,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Reading the history; `synced` follows it.
+    History,
+    /// Reading the log past what was sent, then following again.
+    CatchUp,
+    Following,
+    Ended,
+}
+
+impl LogStream {
+    /// The next event to send; `None` ends the stream.
+    async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let Some(event) = self.read.pop_front() {
+                return Some(event);
+            }
+            match self.phase {
+                Phase::Ended => return None,
+                Phase::History | Phase::CatchUp => {
+                    let page = match self.store.read_log(self.id, self.last, PAGE).await {
                         Ok(page) => page,
                         Err(e) => {
-                            tracing::error!(session = %id, error = %e, "reading the log failed");
+                            tracing::error!(session = %self.id, error = %e, "reading the log failed");
+                            self.phase = Phase::Ended;
                             return None;
                         }
                     };
-                    let Some(end) = page.last().map(|e| e.seq) else {
-                        return Some(last);
-                    };
-                    for envelope in &page {
-                        if let Some(event) = durable(envelope)
-                            && tx.send(event).await.is_err()
-                        {
-                            return None;
-                        }
+                    if let Some(end) = page.last().map(|e| e.seq) {
+                        self.read.extend(page.iter().filter_map(durable));
+                        self.last = end;
+                        continue;
                     }
-                    last = end;
+                    if self.phase == Phase::CatchUp {
+                        self.phase = Phase::Following;
+                        continue;
+                    }
+                    self.phase = if self.follow {
+                        Phase::Following
+                    } else {
+                        Phase::Ended
+                    };
+                    let marker = Synced {
+                        kind: SyncedType::Synced,
+                        last_seq: self.last,
+                    };
+                    let data = serde_json::to_string(&marker).unwrap_or_default();
+                    return Some(Event::default().event("synced").data(data));
                 }
-            }
-        };
-        let Some(synced) = catch_up(last).await else {
-            return;
-        };
-        last = synced;
-        let marker = Synced {
-            kind: SyncedType::Synced,
-            last_seq: last,
-        };
-        let data = serde_json::to_string(&marker).unwrap_or_default();
-        if tx
-            .send(Event::default().event("synced").data(data))
-            .await
-            .is_err()
-            || !follow
-        {
-            return;
-        }
-        let mut tick = tokio::time::interval(heartbeat);
-        loop {
-            let read = tokio::select! {
-                item = live.recv() => match item {
-                    // The next durable event goes out as published; a later one means
-                    // something was missed, and the log has it.
-                    Ok(published) => match route(&published, last, ephemeral) {
-                        Route::Send => {
-                            let mut event = Event::default().data(&published.json);
-                            if let Some(seq) = published.seq {
-                                event = event.id(seq.to_string());
-                                last = seq;
+                Phase::Following => {
+                    tokio::select! {
+                        item = self.live.recv() => match item {
+                            // The next durable event goes out as published; a later one
+                            // means something was missed, and the log has it.
+                            Ok(published) => match route(&published, self.last, self.ephemeral) {
+                                Route::Send => {
+                                    let mut event = Event::default().data(&published.json);
+                                    if let Some(seq) = published.seq {
+                                        event = event.id(seq.to_string());
+                                        self.last = seq;
+                                    }
+                                    return Some(event);
+                                }
+                                Route::Skip => {}
+                                Route::CatchUp => self.phase = Phase::CatchUp,
+                            },
+                            Err(broadcast::error::RecvError::Lagged(_)) => self.phase = Phase::CatchUp,
+                            Err(broadcast::error::RecvError::Closed) => {
+                                self.phase = Phase::Ended;
                             }
-                            if tx.send(event).await.is_err() {
-                                return;
-                            }
-                            false
-                        }
-                        Route::Skip => false,
-                        Route::CatchUp => true,
-                    },
-                    Err(broadcast::error::RecvError::Lagged(_)) => true,
-                    Err(broadcast::error::RecvError::Closed) => return,
-                },
-                _ = tick.tick() => true,
-                () = tx.closed() => return,
-            };
-            if read {
-                match catch_up(last).await {
-                    Some(seq) => last = seq,
-                    None => return,
+                        },
+                        _ = self.tick.tick() => self.phase = Phase::CatchUp,
+                    }
                 }
             }
         }
-    });
-    Ok(stream(rx, heartbeat))
+    }
 }
 
 /// What a log stream does with a live event, given the last durable seq it sent.
@@ -211,7 +252,7 @@ const SUBSCRIBER_QUEUE: usize = 256;
 pub async fn events(State(state): State<AppState>) -> Events {
     let mut live = state.runner.subscribe();
     // One slot more than the queue, kept for the `lagged` message.
-    let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE + 1);
+    let (tx, mut rx) = mpsc::channel(SUBSCRIBER_QUEUE + 1);
     tokio::spawn(async move {
         let _open = crate::metrics::stream_opened();
         let lagged = |reason: String| {
@@ -253,7 +294,8 @@ pub async fn events(State(state): State<AppState>) -> Events {
             }
         }
     });
-    stream(rx, state.heartbeat)
+    let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok)));
+    stream(Box::pin(events), state.heartbeat)
 }
 
 #[cfg(test)]
