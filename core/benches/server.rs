@@ -10,6 +10,8 @@
 //!   `time`, which is when the provider's event arrived in Keel (`runner::receive`), so
 //!   it counts every commit and queue in front of the delta. `time` is whole
 //!   milliseconds (truncated), so each sample overstates the latency by 0 to 1 ms.
+//!   With it, the server's CPU time per delta received, the bound once the two cores
+//!   are busy.
 //! - Fan-out: many clients follow one session; the same samples, and the same for its
 //!   durable events (whose `time` is stamped inside the writing transaction, so their
 //!   latency includes the commit).
@@ -199,6 +201,28 @@ impl Keel {
             .and_then(|v| v.split_whitespace().next())
             .and_then(|kib| kib.parse().ok())
             .context("the server's status has no VmRSS")
+    }
+
+    /// The CPU time the server has used so far, user and system, in seconds. `/proc`
+    /// counts it in clock ticks, which Linux reports at 100 a second on every platform.
+    fn cpu_seconds(&self) -> Result<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))
+            .context("reading the server's /proc stat")?;
+        // The fields after the command name, which is in parentheses and may hold spaces:
+        // utime and stime are the 14th and 15th of the line, the 12th and 13th here.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .context("the server's stat has no command name")?
+            .1
+            .split_whitespace()
+            .collect();
+        let ticks = |i: usize| -> Result<f64> {
+            fields
+                .get(i)
+                .and_then(|t| t.parse::<f64>().ok())
+                .context("the server's stat has no CPU times")
+        };
+        Ok((ticks(11)? + ticks(12)?) / 100.0)
     }
 
     async fn sessions(&self, model: &str, count: usize) -> Result<Vec<SessionId>> {
@@ -437,12 +461,14 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
     for &concurrent in &plan.concurrent {
         eprintln!("server: delta latency, {concurrent} streaming sessions");
         let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
-        let (mut queue_maxima, mut at_once) = (Vec::new(), Vec::new());
+        let (mut queue_maxima, mut at_once, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..plan.runs {
             let sessions = keel.sessions("stream/scripted", concurrent).await?;
             let (stop, stopped) = tokio::sync::oneshot::channel();
             let sampling = tokio::spawn(queue_samples(keel.url.clone(), stopped));
+            let cpu_before = keel.cpu_seconds()?;
             let samples = streamed(&keel, &sessions, 1).await;
+            let cpu_used = keel.cpu_seconds()? - cpu_before;
             // The sampler is waiting for this; it cannot have gone.
             stop.send(()).ok();
             let queue = sampling.await.unwrap_or_default();
@@ -451,6 +477,7 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
             p99s.push(percentile(&samples.deltas, 0.99));
             queue_maxima.push(queue.iter().copied().fold(0.0, f64::max));
             at_once.push(most_at_once(&samples.spans) as f64);
+            cpu.push(cpu_used * 1e6 / samples.deltas.len().max(1) as f64);
         }
         let name = format!("delta to client, {concurrent} streaming session(s)");
         report(
@@ -484,6 +511,17 @@ async fn latency(binary: &Path, plan: &Plan) -> Result<()> {
             SERVER,
             plan.runs,
             "writes waiting as a batch began (`keel_store_queue`), read every 20 ms",
+        );
+        // The bound when the tail grows: the server's CPU for everything a delta brings
+        // (reading it, its share of the commits, publishing and sending it).
+        report(
+            &format!("server CPU per delta received, {concurrent} streaming session(s)"),
+            median(&cpu),
+            "µs",
+            SERVER,
+            plan.runs,
+            "user and system time of `keel serve` over the run, divided by the text \
+             deltas its clients received",
         );
     }
     if plan.fanout_runs == 0 {
