@@ -1,5 +1,6 @@
 //! `GET /metrics` end to end: the page parses as Prometheus text, needs the token like
-//! every route but health, and its counters move as a prompt runs on the demo model.
+//! every route but health, its counters move as a prompt runs on the demo model, and an
+//! event stream is counted while its client is there.
 
 use keel_client::Client;
 use keel_client::schema::api::{CreateSession, PromptRequest};
@@ -38,7 +39,8 @@ fn value(scrape: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
 
 #[tokio::test]
 async fn the_metrics_page_parses_and_its_counters_move_as_a_prompt_runs() {
-    let server = Server::start(&["--token", TOKEN]);
+    // A short heartbeat: a log stream whose client left is found out at its next write.
+    let server = Server::start(&["--token", TOKEN, "--heartbeat-ms", "100"]);
     let refused = reqwest::get(format!("{}/metrics", server.base_url))
         .await
         .unwrap();
@@ -123,4 +125,20 @@ async fn the_metrics_page_parses_and_its_counters_move_as_a_prompt_runs() {
     assert_eq!(value(&after, "keel_sessions", &[("state", "busy")]), 0.0);
     assert_eq!(value(&after, "keel_nodes", &[]), 1.0);
     assert!(value(&after, "keel_recovery_passes_total", &[]) >= 1.0);
+
+    // The log stream is open until its client leaves, then counted out.
+    assert_eq!(value(&after, "keel_stream_subscribers", &[]), 1.0);
+    drop(log);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let open = value(&scrape(&server).await, "keel_stream_subscribers", &[]);
+        if open == 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a log stream whose client left is still open ({open})"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
