@@ -14,7 +14,7 @@ use keel_schema::types::{Delivery, Finish, ModelRef, Outcome, ToolContent, Usage
 use serde_json::json;
 
 use crate::compaction::answer;
-use crate::support::{Harness, Hold, LEASE, Setup, call, script, text};
+use crate::support::{Harness, Hold, LEASE, Setup, call, kind, script, text};
 
 #[tokio::test]
 async fn a_prompt_produces_the_documented_event_order() {
@@ -974,11 +974,7 @@ async fn the_next_step_s_deltas_wait_behind_a_boundary_not_yet_on_disk() {
     let mut order = Vec::new();
     while let Ok(item) = live.try_recv() {
         order.push(match item {
-            Live::Durable(e) => e
-                .event
-                .type_name()
-                .trim_start_matches("session.next.")
-                .to_owned(),
+            Live::Durable(e) => kind(&e.event).to_owned(),
             Live::Ephemeral(_) => "delta".to_owned(),
             Live::Remote(_) => continue,
         });

@@ -108,6 +108,11 @@ impl Tool for Probe {
     }
 }
 
+/// An event's type, without the common prefix.
+pub fn kind(event: &DurableEvent) -> &'static str {
+    event.type_name().trim_start_matches("session.next.")
+}
+
 /// A failpoint that holds the store's writer before one chosen commit until the test lets
 /// it go, so an interrupt or another write can land while that commit is pending. The
 /// writer runs nothing while held; the commit then goes ahead as usual.
@@ -437,7 +442,7 @@ impl Harness {
             .map(|e| {
                 let mut value = json!({
                     "seq": e.seq,
-                    "type": e.event.type_name().trim_start_matches("session.next."),
+                    "type": kind(&e.event),
                     "data": e.event.data().unwrap(),
                 });
                 redact(&mut value, &mut names);
@@ -451,12 +456,7 @@ impl Harness {
         self.log(session)
             .await
             .iter()
-            .map(|e| {
-                e.event
-                    .type_name()
-                    .trim_start_matches("session.next.")
-                    .to_owned()
-            })
+            .map(|e| kind(&e.event).to_owned())
             .collect()
     }
 
