@@ -323,25 +323,35 @@ impl Store {
     /// `write` may run more than once: on PostgreSQL, a batch the database aborts to
     /// resolve a conflict with another node's transaction runs again from its start. It
     /// must do nothing but its statements (no side effect outside the transaction).
-    pub async fn write<T, E, F>(&self, write: F) -> Result<T, E>
+    ///
+    /// `write` is boxed into the writer's job when this is called and sent when the
+    /// future is first polled; the future holds only the job and the reply's receiver.
+    /// A future that held the closure would carry it in every caller that awaits it
+    /// (an `async fn` keeps its own copy of what it was called with), and a runner's
+    /// step, held as long as it streams, would pay for that in every session.
+    pub fn write<T, E, F>(&self, write: F) -> impl Future<Output = Result<T, E>> + Send + '_
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.inner.writers[0].submit(write).await
+        self.inner.writers[0].submit(write)
     }
 
     /// [`Store::write`] for a write about `session`: every write of a session goes to the
     /// same writer, so they commit in the order they were submitted, while on PostgreSQL
     /// other sessions' writes commit at the same time on other writers.
-    pub async fn write_for<T, E, F>(&self, session: SessionId, write: F) -> Result<T, E>
+    pub fn write_for<T, E, F>(
+        &self,
+        session: SessionId,
+        write: F,
+    ) -> impl Future<Output = Result<T, E>> + Send + '_
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.writer_of(session).submit(write).await
+        self.writer_of(session).submit(write)
     }
 
     /// How many writers commit this store's writes ([`Options::pg_writers`]).
@@ -374,19 +384,17 @@ impl Store {
     /// durable, and nothing irreversible on this one's account: a runner's step boundary,
     /// followed by the model's request. Where commits do not wait for the disk (SQLite at
     /// `NORMAL`) or cannot be held back from readers (PostgreSQL), it is an ordinary write.
-    pub async fn write_deferred<T, E, F>(
+    pub fn write_deferred<T, E, F>(
         &self,
         session: SessionId,
         write: F,
-    ) -> Result<(T, Durable), E>
+    ) -> impl Future<Output = Result<(T, Durable), E>> + Send + '_
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.writer_of(session)
-            .submit_deferred(session, write)
-            .await
+        self.writer_of(session).submit_deferred(session, write)
     }
 
     /// The last seq of `session` that [`Store::read_log`] shows while later events of it

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::fence::Held;
 use super::{Engine, Error, context};
+use crate::coordinator::BoxFuture;
 use crate::provider::{self, Event, ToolChoice, Turn};
 use crate::{epoch, execution};
 
@@ -85,7 +86,23 @@ impl Engine {
     /// Compacts the session of `held`. `open_step` is the assistant message (and its seq)
     /// of a step that goes on after the compaction; `input` the control input a manual
     /// compaction promotes.
-    pub(super) async fn compact(
+    ///
+    /// Boxed: a future is as large as the largest thing it awaits anywhere, and a
+    /// compaction (a summary request, its fenced writes) is large and rare. Awaited in
+    /// place, it would make every step and drain carry its size for as long as they
+    /// run, streaming or waiting included.
+    pub(super) fn compact<'a>(
+        &'a self,
+        held: &'a Held,
+        reason: CompactionReason,
+        input: Option<InputId>,
+        open_step: Option<(MessageId, u64)>,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<Compacted, Error>> {
+        Box::pin(self.compact_now(held, reason, input, open_step, cancel))
+    }
+
+    async fn compact_now(
         &self,
         held: &Held,
         reason: CompactionReason,

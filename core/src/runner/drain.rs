@@ -351,7 +351,10 @@ impl Engine {
                     step_number = parked.number;
                     let info =
                         info.ok_or_else(|| Error::Config(format!("no session {session}")))?;
-                    let step = self.resume_step(&held, parked, info, &cancel).await?;
+                    // Boxed: rare, and as large as a step; in place it would make
+                    // every drain twice a step's size.
+                    let resumed = self.resume_step(&held, parked, info, &cancel);
+                    let step = Box::pin(resumed).await?;
                     boundary = step.boundary_after();
                     ended = Some(step);
                     continue;
@@ -385,6 +388,8 @@ impl Engine {
                 }
                 continue;
             }
+            // Published and promoted: neither is kept in this future while the step runs.
+            drop((envelopes, promotion));
             first = false;
             let Some(number) = next else {
                 return Ok(());

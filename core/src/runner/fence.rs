@@ -15,6 +15,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
+use futures::FutureExt;
+use futures::future::{self, Either};
 use keel_schema::event::{DurableEvent, Envelope, EphemeralEnvelope, EphemeralEvent};
 
 use super::{Engine, Error, Live};
@@ -62,44 +64,49 @@ impl Engine {
 
     /// Runs `write` behind the fence of `held`'s claim, and records what it learns about
     /// the lease.
-    pub(super) async fn fenced<T: Send + 'static>(
-        &self,
-        held: &Held,
+    pub(super) fn fenced<'a, T: Send + 'static>(
+        &'a self,
+        held: &'a Held,
         write: impl FnMut(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
-    ) -> Result<T, Error> {
-        let (value, _on_disk) = self.fenced_as(held, false, write).await?;
-        Ok(value)
+    ) -> impl Future<Output = Result<T, Error>> + Send + 'a {
+        self.fenced_as(held, false, write)
+            .map(|result| result.map(|(value, _on_disk)| value))
     }
 
     /// [`Engine::fenced`]; when `deferred`, answering once committed, before the commit
     /// is on disk ([`crate::store::Store::write_deferred`]), and the [`Durable`] says when
     /// it is.
-    pub(super) async fn fenced_as<T: Send + 'static>(
-        &self,
-        held: &Held,
+    ///
+    /// The write goes to the store at once (it is sent when the future is first polled),
+    /// and the future is built of combinators rather than an `async` block: see
+    /// [`crate::store::Store::write`] for why a write's future is kept small.
+    pub(super) fn fenced_as<'a, T: Send + 'static>(
+        &'a self,
+        held: &'a Held,
         deferred: bool,
         mut write: impl FnMut(&mut Conn, i64) -> Result<T, Error> + Send + 'static,
-    ) -> Result<(T, Durable), Error> {
+    ) -> impl Future<Output = Result<(T, Durable), Error>> + Send + 'a {
+        let claim = held.claim;
         if held.ownership.lost.load(Ordering::SeqCst) {
-            return Err(Error::OwnershipLost(held.claim.session_id));
+            return Either::Left(future::ready(Err(Error::OwnershipLost(claim.session_id))));
         }
         let clock = self.store.clock().clone();
         let lease = self.settings.lease_ms;
-        let claim = held.claim;
         let fenced = move |c: &mut Conn| {
             let now = clock.now_ms();
             execution::check(c, now, lease, &claim)?;
             write(c, now).map(|value| (value, now))
         };
-        let result = if deferred {
-            self.store.write_deferred(claim.session_id, fenced).await
+        let committed = if deferred {
+            Either::Left(self.store.write_deferred(claim.session_id, fenced))
         } else {
-            self.store
-                .write_for(claim.session_id, fenced)
-                .await
-                .map(|written| (written, Durable::now()))
+            Either::Right(
+                self.store
+                    .write_for(claim.session_id, fenced)
+                    .map(|result| result.map(|written| (written, Durable::now()))),
+            )
         };
-        match result {
+        Either::Right(committed.map(move |result| match result {
             Ok(((value, now), durable)) => {
                 held.ownership.deadline.store(now + lease, Ordering::SeqCst);
                 Ok((value, durable))
@@ -109,7 +116,7 @@ impl Engine {
                 Err(Error::OwnershipLost(session))
             }
             Err(e) => Err(e),
-        }
+        }))
     }
 
     /// Appends `events` to the log behind the fence of `held`'s claim, without publishing

@@ -287,8 +287,8 @@ impl Engine {
         use tracing::Instrument as _;
         let span = tracing::info_span!("step", number = start.number, model = %start.info.model);
         async {
-            let step = Step::start(self, held, start, turns, cancel).await?;
-            self.drive(step).await
+            let mut step = Step::start(self, held, start, turns, cancel).await?;
+            self.drive(&mut step).await
         }
         .instrument(span)
         .await
@@ -310,7 +310,7 @@ impl Engine {
             .instrument(span.clone())
             .await
         {
-            Ok(step) => self.drive(step).instrument(span).await,
+            Ok(mut step) => self.drive(&mut step).instrument(span).await,
             Err(error) => {
                 if error.breaks_step() {
                     self.fail_step(held, assistant, &error).await;
@@ -321,8 +321,9 @@ impl Engine {
     }
 
     /// Runs a started step to its end; one that breaks off is failed with every call
-    /// joined first.
-    async fn drive(&self, mut step: Step<'_>) -> Result<Ended, Error> {
+    /// joined first. The caller owns the step: taken by value, it would be in this future twice (the
+    /// argument and the binding it moves to), and it is large.
+    async fn drive(&self, step: &mut Step<'_>) -> Result<Ended, Error> {
         let held = step.held;
         match step.run().await {
             Err(error) if error.breaks_step() => {
@@ -621,7 +622,9 @@ impl<'a> Step<'a> {
                         }
                         for launch in actions.launch {
                             self.called_tools = true;
-                            self.launch(launch).await?;
+                            // Boxed: a launch's writes would otherwise size this
+                            // future, which a streaming step holds all along.
+                            Box::pin(self.launch(launch)).await?;
                         }
                     }
                 },

@@ -45,6 +45,7 @@ use diesel::connection::SimpleConnection;
 use diesel::connection::{
     AnsiTransactionManager, Instrumentation, InstrumentationEvent, TransactionManager,
 };
+use futures::FutureExt;
 use keel_schema::id::SessionId;
 use tokio::sync::{mpsc, oneshot};
 
@@ -191,40 +192,48 @@ pub(super) struct Handle {
 }
 
 impl Handle {
-    pub async fn submit<T, E, F>(&self, write: F) -> Result<T, E>
+    // These box the write's job at once (see `Store::write` for why), and build their
+    // futures with combinators: an `async` block that awaits a future it captured
+    // holds it twice.
+
+    pub fn submit<T, E, F>(&self, write: F) -> impl Future<Output = Result<T, E>> + Send + '_
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.send(write, None).await
+        self.send(write, None)
     }
 
     /// Submits a write of `session` whose caller hears of it once committed, and learns
     /// from the [`Durable`] when it is on disk.
-    pub async fn submit_deferred<T, E, F>(
+    pub fn submit_deferred<T, E, F>(
         &self,
         session: SessionId,
         write: F,
-    ) -> Result<(T, Durable), E>
+    ) -> impl Future<Output = Result<(T, Durable), E>> + Send + '_
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        if !self.defers {
-            return Ok((self.submit(write).await?, Durable::now()));
-        }
-        let (waiter, synced) = oneshot::channel();
-        let value = self.send(write, Some((session, Some(waiter)))).await?;
-        Ok((value, Durable::later(synced)))
+        let (deferred, synced) = if self.defers {
+            let (waiter, synced) = oneshot::channel();
+            (Some((session, Some(waiter))), Some(synced))
+        } else {
+            (None, None)
+        };
+        self.send(write, deferred).map(move |committed| {
+            let durable = synced.map_or_else(Durable::now, Durable::later);
+            committed.map(|value| (value, durable))
+        })
     }
 
-    async fn send<T, E, F>(
+    fn send<T, E, F>(
         &self,
         write: F,
         deferred: Option<(SessionId, Option<SyncWaiter>)>,
-    ) -> Result<T, E>
+    ) -> impl Future<Output = Result<T, E>> + Send + '_
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
@@ -237,11 +246,13 @@ impl Handle {
             reply,
             deferred,
         });
-        self.jobs
-            .send(job)
-            .await
-            .map_err(|_| E::from(Error::WriterGone))?;
-        outcome.await.unwrap_or(Err(E::from(Error::WriterGone)))
+        async move {
+            self.jobs
+                .send(job)
+                .await
+                .map_err(|_| E::from(Error::WriterGone))?;
+            outcome.await.unwrap_or(Err(E::from(Error::WriterGone)))
+        }
     }
 }
 
