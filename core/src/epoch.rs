@@ -29,7 +29,7 @@ use keel_schema::id::{MessageId, SessionId};
 use crate::event::log;
 use crate::store::column::from_db_int;
 use crate::store::schema::context_epoch;
-use crate::store::{self, Conn};
+use crate::store::{self, Conn, load_at_most};
 
 /// A session's current context epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,11 +55,10 @@ struct Row {
 
 /// The session's current epoch, or `None` before its first step.
 pub fn current(connection: &mut Conn, session: SessionId) -> Result<Option<Epoch>, store::Error> {
-    let row: Option<Row> = context_epoch::table
+    let query = context_epoch::table
         .find(session.to_string())
-        .select(Row::as_select())
-        .first(connection)
-        .optional()?;
+        .select(Row::as_select());
+    let row: Option<Row> = load_at_most(connection, query, 1)?.pop();
     row.map(|row| {
         Ok(Epoch {
             epoch: u32::try_from(row.epoch).map_err(|_| {

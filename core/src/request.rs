@@ -14,6 +14,7 @@
 //! session with an answered request and no claim).
 
 use diesel::prelude::*;
+use diesel::sql_types::{Nullable, Text};
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{CallId, MessageId, RequestId, SessionId};
 use keel_schema::types::Decision;
@@ -21,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::event::log;
 use crate::permission;
+use crate::store::fixed::fixed_query;
 use crate::store::schema::{session_request, session_tool};
 use crate::store::{self, Conn};
 
@@ -207,13 +209,24 @@ pub fn answer(
 
 /// The requests of `session` whose calls are not resolved yet, oldest first.
 pub fn open(connection: &mut Conn, session: SessionId) -> Result<Vec<Open>, store::Error> {
-    let rows: Vec<Row> = session_request::table
-        .filter(session_request::session_id.eq(session.to_string()))
-        .filter(session_request::state.ne("settled"))
-        .order(session_request::asked_seq.asc())
-        .select(Row::as_select())
-        .load(connection)?;
+    let session = session.to_string();
+    let rows: Vec<Row> = OpenRequests {
+        session_id: &session,
+    }
+    .load(connection)?;
     rows.into_iter().map(Row::into_open).collect()
+}
+
+fixed_query! {
+    /// The open requests of a session, oldest first. `'settled'` is in the SQL text, not
+    /// bound: SQLite matches a bound value against the predicate of the partial index
+    /// `session_request_open_idx`, and prepares the statement again whenever it is bound
+    /// anew. Read at every step boundary that may find a wait.
+    struct OpenRequests<'a> { session_id: &'a str }
+    returns (Text, Text, Text, Text, Text, Text, Nullable<Text>, Text);
+    sql r#"SELECT "id", "session_id", "call_id", "kind", "tool", "state", "reply", "pattern" "#
+        r#"FROM "session_request" WHERE "session_id" = "# {session_id: Text}
+        r#" AND "state" <> 'settled' ORDER BY "asked_seq""#
 }
 
 /// The step of `session` that waits for a person, if one does: the assistant message of

@@ -34,7 +34,7 @@ use crate::request::{Kind, Reply};
 use crate::store::column::{db_int, text_of};
 use crate::store::fixed::Execute;
 use crate::store::schema::{context_epoch, session, session_input};
-use crate::store::{Conn, Error};
+use crate::store::{Conn, Error, load_at_most};
 
 /// Applies one event to the projections. `session_id` is the envelope's session as
 /// stored (formatted once by the caller for all of an append's statements).
@@ -310,11 +310,10 @@ impl Projection<'_> {
     /// A new epoch must follow the last one (epoch 1 when there is none): an advance
     /// computed from a stale view is refused, and with it the transaction that carries it.
     fn epoch_started(&mut self, e: &payload::ContextEpochStarted) -> Result<(), Error> {
-        let current: Option<i64> = context_epoch::table
+        let query = context_epoch::table
             .find(self.session_id)
-            .select(context_epoch::epoch)
-            .first(self.connection)
-            .optional()?;
+            .select(context_epoch::epoch);
+        let current: Option<i64> = load_at_most(self.connection, query, 1)?.pop();
         let expected = current.map_or(1, |epoch| epoch + 1);
         if i64::from(e.epoch) != expected {
             return Err(self.refuse(format!(
