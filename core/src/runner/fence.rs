@@ -77,9 +77,10 @@ impl Engine {
     /// is on disk ([`crate::store::Store::write_deferred`]), and the [`Durable`] says when
     /// it is.
     ///
-    /// The write goes to the store at once (it is sent when the future is first polled),
-    /// and the future is built of combinators rather than an `async` block: see
-    /// [`crate::store::Store::write`] for why a write's future is kept small.
+    /// The write is handed to the store when this is called (and sent to the writer when
+    /// the future is first polled), and the future is built of combinators rather than
+    /// an `async` block: see [`crate::store::Store::write`] for why a write's future is
+    /// kept small. A claim already known lost is refused before any of that.
     pub(super) fn fenced_as<'a, T: Send + 'static>(
         &'a self,
         held: &'a Held,

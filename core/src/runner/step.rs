@@ -321,8 +321,8 @@ impl Engine {
     }
 
     /// Runs a started step to its end; one that breaks off is failed with every call
-    /// joined first. The caller owns the step: taken by value, it would be in this future twice (the
-    /// argument and the binding it moves to), and it is large.
+    /// joined first. The caller owns the step: taken by value, it would be in this
+    /// future twice (the argument and the binding it moves to), and it is large.
     async fn drive(&self, step: &mut Step<'_>) -> Result<Ended, Error> {
         let held = step.held;
         match step.run().await {
