@@ -55,6 +55,7 @@ macro_rules! fixed_query {
     (
         $(#[$meta:meta])*
         $vis:vis struct $name:ident;
+        $(returns $returns:ty;)?
         sql $($piece:literal)+
     ) => {
         $(#[$meta])*
@@ -68,6 +69,12 @@ macro_rules! fixed_query {
 
         $crate::store::fixed::fixed_query!(@fragments [$name] $($piece)+);
         $crate::store::fixed::fixed_query!(@execute [$name]);
+
+        $(
+            impl diesel::query_builder::Query for $name {
+                type SqlType = $returns;
+            }
+        )?
 
         impl<C> diesel::RunQueryDsl<C> for $name {}
     };

@@ -41,9 +41,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use diesel::Connection;
-use diesel::connection::SimpleConnection;
 use diesel::connection::{
-    AnsiTransactionManager, Instrumentation, InstrumentationEvent, TransactionManager,
+    AnsiTransactionManager, Instrumentation, InstrumentationEvent, TransactionDepthChange,
+    TransactionManager, TransactionManagerStatus,
 };
 use futures::FutureExt;
 use keel_schema::id::SessionId;
@@ -360,9 +360,13 @@ fn run(
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
         let deferred = unsynced.defers() && hold_back(&mut connection, &batch, &unsynced);
         if deferred != relaxed {
-            let pragma = if deferred { "NORMAL" } else { "FULL" };
-            match connection.batch_execute(&format!("PRAGMA synchronous = {pragma}")) {
-                Ok(()) => relaxed = deferred,
+            let set = if deferred {
+                SynchronousNormal.execute(&mut connection)
+            } else {
+                SynchronousFull.execute(&mut connection)
+            };
+            match set {
+                Ok(_) => relaxed = deferred,
                 Err(e) if deferred => {
                     tracing::warn!(error = %e, "could not defer a commit's sync; it waits for the disk");
                 }
@@ -498,13 +502,15 @@ impl Batch<'_> {
 fn total_changes(connection: &mut Conn) -> Option<i64> {
     use diesel::RunQueryDsl;
     match connection {
-        Conn::Sqlite(c) => diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
-            "total_changes()",
-        ))
-        .get_result(c)
-        .ok(),
+        Conn::Sqlite(c) => TotalChanges.get_result(c).ok(),
         Conn::Pg(_) => None,
     }
+}
+
+fixed_query! {
+    struct TotalChanges;
+    returns diesel::sql_types::BigInt;
+    sql "SELECT total_changes()"
 }
 
 /// How many times a batch runs before a conflict with another transaction fails it.
@@ -665,11 +671,7 @@ fn attempt_batch(
     conflicts: &Conflicts,
     mode: Mode,
 ) -> Attempt {
-    let began = match connection {
-        Conn::Sqlite(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE"),
-        Conn::Pg(c) => AnsiTransactionManager::begin_transaction(c),
-    };
-    if let Err(e) = began {
+    if let Err(e) = begin(connection) {
         return Attempt::NotBegun(format!("could not begin a transaction: {e}"));
     }
     conflicts.take();
@@ -713,7 +715,7 @@ fn attempt_batch(
         rollback_all(connection);
         return Attempt::Failpoint;
     }
-    match <Conn as Connection>::TransactionManager::commit_transaction(connection) {
+    match commit(connection) {
         Ok(()) => Attempt::Committed,
         Err(e) => {
             let conflict = conflicts.take() || is_conflict(&e);
@@ -727,6 +729,75 @@ fn attempt_batch(
             }
         }
     }
+}
+
+/// Begins a batch's transaction: `BEGIN IMMEDIATE` on SQLite, so it never fails to
+/// upgrade a read lock.
+///
+/// diesel sends `BEGIN` and `COMMIT` as plain SQL, which SQLite parses again at every
+/// batch; on SQLite they are fixed statements here (see [`super::fixed`]), prepared once
+/// per connection, and diesel's transaction manager is told of the change of depth, so
+/// its rollback and its broken-connection check work as they do for its own. On
+/// PostgreSQL either way is one round trip, and diesel's is used.
+fn begin(connection: &mut Conn) -> diesel::QueryResult<()> {
+    match connection {
+        Conn::Sqlite(_) => {
+            if depth(connection)?.is_some() {
+                return Err(diesel::result::Error::AlreadyInTransaction);
+            }
+            BeginImmediate.execute(connection)?;
+            change_depth(connection, TransactionDepthChange::IncreaseDepth)
+        }
+        Conn::Pg(c) => AnsiTransactionManager::begin_transaction(c),
+    }
+}
+
+/// Commits the batch's transaction ([`begin`] says why SQLite's is a fixed statement).
+/// On failure the transaction may still be open: the caller rolls it back.
+fn commit(connection: &mut Conn) -> diesel::QueryResult<()> {
+    match connection {
+        Conn::Sqlite(_) => {
+            if depth(connection)?.map(std::num::NonZeroU32::get) != Some(1) {
+                return Err(diesel::result::Error::NotInTransaction);
+            }
+            Commit.execute(connection)?;
+            change_depth(connection, TransactionDepthChange::DecreaseDepth)
+        }
+        Conn::Pg(_) => <Conn as Connection>::TransactionManager::commit_transaction(connection),
+    }
+}
+
+/// How deep in transactions diesel's manager counts the connection (`None`: in none).
+fn depth(connection: &mut Conn) -> diesel::QueryResult<Option<std::num::NonZeroU32>> {
+    <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection)
+        .transaction_depth()
+}
+
+fn change_depth(connection: &mut Conn, change: TransactionDepthChange) -> diesel::QueryResult<()> {
+    match <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection) {
+        TransactionManagerStatus::Valid(status) => status.change_transaction_depth(change),
+        TransactionManagerStatus::InError => Err(diesel::result::Error::BrokenTransactionManager),
+    }
+}
+
+fixed_query! {
+    struct BeginImmediate;
+    sql "BEGIN IMMEDIATE"
+}
+
+fixed_query! {
+    struct Commit;
+    sql "COMMIT"
+}
+
+fixed_query! {
+    struct SynchronousNormal;
+    sql "PRAGMA synchronous = NORMAL"
+}
+
+fixed_query! {
+    struct SynchronousFull;
+    sql "PRAGMA synchronous = FULL"
 }
 
 /// The pause before running a conflicted batch again: random, so two nodes that
