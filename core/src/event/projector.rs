@@ -552,6 +552,9 @@ impl Projection<'_> {
             ) => self.refuse(format!("message {id} already exists")),
             other => other.into(),
         })?;
+        if let Message::Assistant { end: None, .. } = message {
+            assistant::Written::keep(id, data, message.clone());
+        }
         Ok(())
     }
 }

@@ -1,5 +1,6 @@
 //! Projections: the transcript, tools resolved exactly once, usage totals.
 
+use keel_core::event::log;
 use keel_core::event::projector::{ToolOutput, crashed_tool_error, interrupted_tool_error};
 use keel_core::event::view::{self, Transcript};
 use keel_core::store::{Error, Store};
@@ -22,6 +23,7 @@ backend_tests!(
     usage_totals_accumulate_from_step_ended_and_step_failed,
     a_held_transcript_reads_only_what_changed_and_matches_a_full_read,
     a_reply_is_projected_only_onto_a_pending_request_of_its_kind,
+    an_edit_rolled_back_leaves_nothing_in_the_next_edit_of_its_message,
 );
 
 fn step_started(id: MessageId) -> DurableEvent {
@@ -496,4 +498,65 @@ async fn a_reply_is_projected_only_onto_a_pending_request_of_its_kind(db: TestDb
         .await
         .unwrap();
     assert!(open.is_empty(), "{open:?}");
+}
+
+/// The writer keeps each open step's message as it last wrote it, to edit it without
+/// decoding it again; an edit rolled back must not come back through that.
+async fn an_edit_rolled_back_leaves_nothing_in_the_next_edit_of_its_message(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    let started = move |ordinal| {
+        DurableEvent::TextStarted(payload::TextStarted {
+            assistant_message_id: message,
+            ordinal,
+        })
+    };
+    store
+        .append(session, vec![step_started(message), started(0)])
+        .await
+        .unwrap();
+    // The fragment opens, then the write fails: its transaction is rolled back.
+    let failed = store
+        .write(move |c| {
+            log::append(c, 0, session, vec![started(1)])?;
+            Err::<(), _>(Error::Corrupt("the write fails after its edit".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+    store
+        .append(
+            session,
+            vec![DurableEvent::TextEnded(payload::TextEnded {
+                assistant_message_id: message,
+                ordinal: 0,
+                text: "hello".into(),
+            })],
+        )
+        .await
+        .unwrap();
+    let messages = store
+        .read(move |c| view::messages(c, session))
+        .await
+        .unwrap();
+    let Message::Assistant { parts, .. } = &messages[0] else {
+        panic!("{:?}", messages[0])
+    };
+    assert_eq!(
+        parts,
+        &vec![AssistantPart::Text {
+            ordinal: 0,
+            text: "hello".into()
+        }],
+        "only the committed edits: the rolled-back fragment is not there"
+    );
+    // The session's log agrees: seq 3 (the failed write's) was never taken.
+    let types: Vec<&str> = store
+        .read_log(session, 0, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.event.type_name())
+        .collect();
+    assert_eq!(types.last(), Some(&"session.next.text.ended"));
 }

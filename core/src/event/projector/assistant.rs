@@ -1,6 +1,9 @@
 //! Edits of assistant messages and their tool rows: fragments opened and closed, calls
 //! streamed, called and resolved, the step's end (which resolves what its calls left).
 
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+
 use diesel::prelude::*;
 use keel_schema::api::{AssistantPart, Message, StepEnd, ToolStatus};
 use keel_schema::event::payload;
@@ -32,8 +35,11 @@ impl Projection<'_> {
         if row.session_id != self.session_id {
             return Err(self.refuse(format!("message {id} belongs to another session")));
         }
-        let mut message: Message = serde_json::from_str(&row.data)
-            .map_err(|err| Error::Corrupt(format!("message {id}: {err}")))?;
+        let mut message = match Written::take(id, &row.data) {
+            Some(message) => message,
+            None => serde_json::from_str(&row.data)
+                .map_err(|err| Error::Corrupt(format!("message {id}: {err}")))?,
+        };
         let Message::Assistant {
             parts,
             end,
@@ -51,6 +57,7 @@ impl Projection<'_> {
             cost,
         };
         let value = change(&mut view).map_err(|reason| self.refuse(reason))?;
+        let ended = view.end.is_some();
         let data = serde_json::to_string(&message)
             .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
         SetMessageData {
@@ -59,6 +66,10 @@ impl Projection<'_> {
             seq: self.seq()?,
         }
         .execute(self.connection)?;
+        // An ended step's message is not edited again.
+        if !ended {
+            Written::keep(id, data, message);
+        }
         Ok(value)
     }
 
@@ -388,6 +399,107 @@ impl Projection<'_> {
     }
 }
 
+/// Assistant messages of open steps as this thread last wrote them: each one's stored
+/// text and the message that text encodes.
+///
+/// Every fragment's start and end, every call and result of a step is an edit of its
+/// whole assistant message, and decoding the stored text again for each was about a
+/// seventh of the store writer's work while steps stream text. An edit whose row still
+/// holds exactly the text written last starts from the message kept with it instead.
+/// The key is the text itself, so nothing needs invalidating: a row changed any other
+/// way (a transaction rolled back after the edit, another writer, another node) holds
+/// other text, and is decoded.
+#[derive(Default)]
+pub(super) struct Written {
+    messages: HashMap<MessageId, Kept>,
+    /// Ids by when they were kept, oldest first; an entry whose stamp is no longer its
+    /// message's is stale and skipped.
+    order: VecDeque<(MessageId, u64)>,
+    stamp: u64,
+    /// The estimated heap of everything kept.
+    bytes: usize,
+}
+
+struct Kept {
+    stamp: u64,
+    data: String,
+    message: Message,
+}
+
+/// The most a thread keeps, estimated as in [`Written::cost`]: enough for the open
+/// steps of thousands of streaming sessions.
+const WRITTEN_BYTES: usize = 8 << 20;
+
+thread_local! {
+    static WRITTEN: RefCell<Written> = RefCell::new(Written::default());
+}
+
+impl Written {
+    /// The message kept for `id` when `stored` is the text it was written as; either way
+    /// `id` is no longer kept (its edit keeps it again).
+    fn take(id: MessageId, stored: &str) -> Option<Message> {
+        WRITTEN.with(|written| written.borrow_mut().take_kept(id, stored))
+    }
+
+    /// Keeps `message`, just written as `data`.
+    pub(super) fn keep(id: MessageId, data: String, message: Message) {
+        WRITTEN.with(|written| written.borrow_mut().insert(id, data, message));
+    }
+
+    fn take_kept(&mut self, id: MessageId, stored: &str) -> Option<Message> {
+        let kept = self.messages.remove(&id)?;
+        self.bytes -= Self::cost(&kept.data);
+        (kept.data == stored).then_some(kept.message)
+    }
+
+    fn insert(&mut self, id: MessageId, data: String, message: Message) {
+        let cost = Self::cost(&data);
+        // A message this large is rare, and would push out many others.
+        if cost > WRITTEN_BYTES / 16 {
+            self.remove(id);
+            return;
+        }
+        while self.bytes + cost > WRITTEN_BYTES {
+            let Some((oldest, stamp)) = self.order.pop_front() else {
+                break;
+            };
+            if self.messages.get(&oldest).is_some_and(|k| k.stamp == stamp) {
+                self.remove(oldest);
+            }
+        }
+        self.stamp += 1;
+        let stamp = self.stamp;
+        self.order.push_back((id, stamp));
+        self.bytes += cost;
+        let kept = Kept {
+            stamp,
+            data,
+            message,
+        };
+        if let Some(replaced) = self.messages.insert(id, kept) {
+            self.bytes -= Self::cost(&replaced.data);
+        }
+        // Stale ids pile up as messages are taken and kept again.
+        if self.order.len() > 2 * self.messages.len() + 64 {
+            let messages = &self.messages;
+            self.order
+                .retain(|(id, stamp)| messages.get(id).is_some_and(|k| k.stamp == *stamp));
+        }
+    }
+
+    fn remove(&mut self, id: MessageId) {
+        if let Some(kept) = self.messages.remove(&id) {
+            self.bytes -= Self::cost(&kept.data);
+        }
+    }
+
+    /// A kept message's heap, estimated: its text, the decoded message about as large
+    /// again, and the entry.
+    fn cost(data: &str) -> usize {
+        2 * data.len() + 256
+    }
+}
+
 /// A message row, as an edit of it needs it.
 #[derive(Debug, Queryable, Selectable)]
 #[diesel(table_name = session_message)]
@@ -438,4 +550,119 @@ fn same_part(a: &AssistantPart, b: &AssistantPart) -> bool {
 struct ToolRow {
     message_id: String,
     status: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_schema::types::{Effect, Finish, ModelRef, ToolContent};
+    use serde_json::json;
+
+    use super::*;
+
+    /// An assistant message with a part of every kind, as edits leave them.
+    fn message(text: &str) -> Message {
+        Message::Assistant {
+            id: MessageId::new(),
+            seq: 7,
+            step: 2,
+            agent: "build".into(),
+            model: ModelRef {
+                provider: "p".into(),
+                id: "m".into(),
+            },
+            parts: vec![
+                AssistantPart::Text {
+                    ordinal: 0,
+                    text: text.into(),
+                },
+                AssistantPart::Reasoning {
+                    ordinal: 1,
+                    text: "why".into(),
+                    provider_metadata: Some(json!({"signature": "s", "n": 1.5})),
+                },
+                AssistantPart::Tool {
+                    call_id: CallId::new(),
+                    name: "write".into(),
+                    input: json!({"path": "a.txt", "content": "x\ny", "big": 18446744073709551615u64}),
+                    effect: Effect::Write,
+                    provider_executed: false,
+                    status: ToolStatus::Error,
+                    content: vec![ToolContent::Text { text: "ok".into() }],
+                    error: Some(ErrorInfo::new("tool.failed", "no")),
+                    provider_result: Some(json!([1, "two"])),
+                },
+            ],
+            end: Some(StepEnd::Ended {
+                finish: Finish::ToolCalls,
+            }),
+            usage: Usage {
+                input: 10,
+                output: 3,
+                reasoning: 1,
+                cache_read: 2,
+                cache_write: 0,
+            },
+            cost: 0.1 + 0.2,
+        }
+    }
+
+    #[test]
+    fn a_kept_message_is_what_decoding_its_text_gives() {
+        // The cache stands in for decoding: every field an edit sets must come back
+        // from its text unchanged.
+        let message = message("hello");
+        let data = serde_json::to_string(&message).unwrap();
+        assert_eq!(serde_json::from_str::<Message>(&data).unwrap(), message);
+    }
+
+    #[test]
+    fn a_message_is_given_back_only_for_the_text_it_was_kept_with() {
+        let mut written = Written::default();
+        let id = MessageId::new();
+        let kept = message("one");
+        let data = serde_json::to_string(&kept).unwrap();
+        written.insert(id, data.clone(), kept.clone());
+        assert!(
+            written.take_kept(id, "{}").is_none(),
+            "other text: decode it"
+        );
+        assert!(
+            written.take_kept(id, &data).is_none(),
+            "taking it forgot it, whatever the text"
+        );
+        written.insert(id, data.clone(), kept.clone());
+        assert_eq!(written.take_kept(id, &data), Some(kept));
+        assert_eq!(written.bytes, 0);
+    }
+
+    #[test]
+    fn the_oldest_messages_go_first_once_the_budget_is_spent() {
+        let mut written = Written::default();
+        let text = "x".repeat(64 * 1024);
+        let data = serde_json::to_string(&message(&text)).unwrap();
+        let fits = WRITTEN_BYTES / Written::cost(&data);
+        let ids: Vec<MessageId> = (0..fits + 10).map(|_| MessageId::new()).collect();
+        for id in &ids {
+            written.insert(*id, data.clone(), message(&text));
+            // Taken and kept again, as every edit does: the order stays bounded.
+            let again = written.take_kept(*id, &data).unwrap();
+            written.insert(*id, data.clone(), again);
+        }
+        assert!(written.bytes <= WRITTEN_BYTES);
+        assert_eq!(written.messages.len(), fits);
+        assert!(written.order.len() <= 2 * written.messages.len() + 64);
+        assert!(
+            written.take_kept(ids[0], &data).is_none(),
+            "the oldest went"
+        );
+        assert!(
+            written.take_kept(ids[fits + 9], &data).is_some(),
+            "the newest stayed"
+        );
+
+        let huge = "y".repeat(WRITTEN_BYTES / 16);
+        let id = ids[fits + 8];
+        written.insert(id, huge.clone(), message("huge"));
+        assert!(written.take_kept(id, &huge).is_none(), "too large to keep");
+    }
 }
