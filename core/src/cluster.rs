@@ -41,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::coordinator::Scope;
 use crate::runner::{Forwarder, Live, Runner};
+use crate::store::Direct as _;
 use crate::store::schema::{node, session_execution};
 use crate::store::{self, Conn, Store};
 
@@ -141,7 +142,7 @@ pub fn list(connection: &mut Conn, alive_since: i64) -> Result<Vec<api::Node>, s
         .load(connection)?;
     let owners: Vec<String> = session_execution::table
         .select(session_execution::owner_id)
-        .load(connection)?;
+        .load_direct(connection)?;
     rows.into_iter()
         .map(|row| {
             let sessions = owners.iter().filter(|o| **o == row.owner_id).count();

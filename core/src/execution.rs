@@ -26,8 +26,10 @@ use keel_schema::id::{ExecutionId, MessageId, OwnerId, SessionId};
 use keel_schema::types::{ErrorInfo, Outcome, Phase};
 
 use crate::event::log;
+use crate::store::Direct as _;
 use crate::store::column::{db_int, from_db_int, parse_text, text_of};
 use crate::store::fixed::fixed_query;
+use crate::store::on_backend;
 use crate::store::schema::session_execution;
 use crate::store::{self, Conn};
 
@@ -116,13 +118,13 @@ impl Row {
 
 /// The session's claim, if any.
 pub fn get(connection: &mut Conn, session_id: SessionId) -> Result<Option<ClaimRow>, store::Error> {
-    session_execution::table
+    on_backend!(connection, |c| session_execution::table
         .filter(session_execution::session_id.eq(session_id.to_string()))
         .select(Row::as_select())
-        .get_result(connection)
-        .optional()?
-        .map(Row::into_claim)
-        .transpose()
+        .get_result(c))
+    .optional()?
+    .map(Row::into_claim)
+    .transpose()
 }
 
 /// Claims the session's execution for `owner_id`, appending `execution.started` in the
@@ -301,7 +303,7 @@ pub fn live_sessions(
         .filter(session_execution::owner_id.eq(owner_id.to_string()))
         .filter(session_execution::expires_at.gt(now))
         .select((session_execution::session_id, session_execution::phase))
-        .load(connection)?;
+        .load_direct(connection)?;
     rows.into_iter()
         .map(|(id, phase)| {
             let session = id
@@ -329,7 +331,7 @@ pub fn request_cancel(
     )
     .set(session_execution::phase.eq(text_of(&Phase::Cancelling)))
     .returning((session_execution::id, session_execution::owner_id))
-    .get_result(connection)
+    .get_direct(connection)
     .optional()?;
     let corrupt = |what: &str, e: &dyn std::fmt::Display| {
         store::Error::Corrupt(format!("claim of session {session}: {what}: {e}"))

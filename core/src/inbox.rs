@@ -24,6 +24,8 @@ use keel_schema::types::{Delivery, InputKind, InputSource, Part};
 
 use crate::event::log;
 use crate::event::view::InputRow;
+use crate::store::Direct as _;
+use crate::store::on_backend;
 use crate::store::schema::session_input;
 use crate::store::{self, Conn};
 
@@ -283,7 +285,7 @@ pub fn request_execution(
         .filter(session_input::execution_requested.eq(false))
         .order(session_input::admitted_seq.asc())
         .select(session_input::id)
-        .load(connection)?;
+        .load_direct(connection)?;
     let events = ids
         .iter()
         .map(|id| {
@@ -300,13 +302,13 @@ pub fn request_execution(
 
 /// The session's pending inputs, in admission order.
 pub fn pending(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Input>, Error> {
-    let rows: Vec<InputRow> = session_input::table
+    let rows: Vec<InputRow> = on_backend!(connection, |c| session_input::table
         .filter(session_input::session_id.eq(session_id.to_string()))
         .filter(session_input::promoted_seq.is_null())
         .filter(session_input::cancelled_seq.is_null())
         .order(session_input::admitted_seq.asc())
         .select(InputRow::as_select())
-        .load(connection)?;
+        .load(c))?;
     rows.iter()
         .map(|row| row.to_api().map_err(Error::from))
         .collect()

@@ -40,6 +40,7 @@ use crate::coordinator::Scope;
 use crate::event::log;
 use crate::inbox::{self, Admission};
 use crate::runner::Runner;
+use crate::store::Direct as _;
 use crate::store::column::parse_text;
 use crate::store::schema::{
     event, session, session_execution, session_input, session_message, session_request,
@@ -530,7 +531,7 @@ fn rerunnable(
         .filter(session_tool::call_id.ne_all(waiting))
         .order(session_tool::call_id.asc())
         .select(session_tool::call_id)
-        .load(connection)?;
+        .load_direct(connection)?;
     parse_calls(calls)
 }
 
@@ -546,7 +547,7 @@ pub(crate) fn rerun_pending(
         .filter(session_tool::rerun.eq(true))
         .order(session_tool::call_id.asc())
         .select(session_tool::call_id)
-        .load(connection)?;
+        .load_direct(connection)?;
     parse_calls(calls)
 }
 
@@ -613,7 +614,7 @@ fn validate_assistant(
     let owner: Option<String> = session_message::table
         .find(assistant)
         .select(session_message::session_id)
-        .get_result(connection)
+        .get_direct(connection)
         .optional()?;
     match owner {
         None => return Ok(Err(format!("assistant {assistant} does not exist"))),

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::event::log;
 use crate::permission;
+use crate::store::Direct as _;
 use crate::store::fixed::fixed_query;
 use crate::store::schema::{session_request, session_tool};
 use crate::store::{self, Conn};
@@ -213,7 +214,7 @@ pub fn open(connection: &mut Conn, session: SessionId) -> Result<Vec<Open>, stor
     let rows: Vec<Row> = OpenRequests {
         session_id: &session,
     }
-    .load(connection)?;
+    .load_direct(connection)?;
     rows.into_iter().map(Row::into_open).collect()
 }
 
@@ -269,7 +270,7 @@ pub fn always_allowed(
         .filter(session_request::tool.eq(tool))
         .filter(session_request::always.eq(true))
         .select((session_request::pattern, session_request::rule))
-        .load(connection)?;
+        .load_direct(connection)?;
     Ok(remembered.iter().any(|(asked, rule)| match rule {
         Some(rule) => permission::matches(rule, pattern),
         None => asked == pattern,
@@ -282,6 +283,6 @@ pub fn awaiting_replies(connection: &mut Conn, session: SessionId) -> Result<u32
         .filter(session_request::session_id.eq(session.to_string()))
         .filter(session_request::state.eq("pending"))
         .count()
-        .get_result(connection)?;
+        .get_direct(connection)?;
     Ok(u32::try_from(count).unwrap_or(u32::MAX))
 }

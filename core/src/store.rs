@@ -32,8 +32,8 @@ use diesel::r2d2::Pool;
 use keel_schema::event::DecodeError;
 use keel_schema::id::{EventId, SessionId};
 
-pub(crate) use conn::load_at_most;
 pub use conn::{Conn, Synchronous};
+pub(crate) use conn::{Direct, load_at_most, on_backend};
 pub use deferred::Durable;
 pub use url::DbUrl;
 

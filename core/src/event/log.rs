@@ -18,6 +18,7 @@ use keel_schema::event::{DurableEvent, Envelope, RawEvent};
 use keel_schema::id::{EventId, SessionId};
 
 use super::{projector, rows};
+use crate::store::Direct as _;
 use crate::store::column::{db_int, from_db_int};
 use crate::store::fixed::fixed_query;
 use crate::store::schema::{event, session};
@@ -75,7 +76,7 @@ fn advance(connection: &mut Conn, id: &str, by: i64, now: i64) -> Result<Option<
             if advance.execute(connection)? == 0 {
                 return Ok(None);
             }
-            Ok(Some(LastSeq { session_id: id }.get_result(connection)?))
+            Ok(Some(LastSeq { session_id: id }.get_direct(connection)?))
         }
         // PostgreSQL answers in the same round trip.
         Conn::Pg(_) => Ok(AdvanceReturning {
@@ -83,7 +84,7 @@ fn advance(connection: &mut Conn, id: &str, by: i64, now: i64) -> Result<Option<
             by,
             now,
         }
-        .get_result(connection)
+        .get_direct(connection)
         .optional()?),
     }
 }
@@ -245,7 +246,7 @@ fn id_exists(connection: &mut Conn, id: EventId) -> Result<bool, Error> {
     let count: i64 = event::table
         .filter(event::id.eq(id.to_string()))
         .count()
-        .get_result(connection)?;
+        .get_direct(connection)?;
     Ok(count > 0)
 }
 

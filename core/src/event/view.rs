@@ -13,7 +13,9 @@ use keel_schema::api::{Input, InputStatus, Message, Session};
 use keel_schema::id::{CallId, InputId, MessageId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef, Usage};
 
+use crate::store::Direct as _;
 use crate::store::column::{from_db_int, parse_text};
+use crate::store::on_backend;
 use crate::store::schema::{session, session_input, session_message, session_tool};
 use crate::store::{Conn, Error};
 
@@ -37,11 +39,11 @@ pub struct InputRow {
 
 impl InputRow {
     pub fn find(connection: &mut Conn, id: InputId) -> Result<Option<Self>, Error> {
-        Ok(session_input::table
+        Ok(on_backend!(connection, |c| session_input::table
             .find(id.to_string())
             .select(Self::as_select())
-            .get_result(connection)
-            .optional()?)
+            .get_result(c))
+        .optional()?)
     }
 
     pub fn status(&self) -> InputStatus {
@@ -106,14 +108,14 @@ impl MessageRow {
 
 /// The projected transcript of a session, in seq order.
 pub fn messages(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Message>, Error> {
-    session_message::table
+    on_backend!(connection, |c| session_message::table
         .filter(session_message::session_id.eq(session_id.to_string()))
         .order(session_message::seq.asc())
         .select(MessageRow::as_select())
-        .load(connection)?
-        .iter()
-        .map(MessageRow::message)
-        .collect()
+        .load(c))?
+    .iter()
+    .map(MessageRow::message)
+    .collect()
 }
 
 /// A session's transcript held in memory and brought up to date by reading only the
@@ -153,12 +155,12 @@ impl Transcript {
         connection: &mut Conn,
         session_id: SessionId,
     ) -> Result<usize, Error> {
-        let rows: Vec<MessageRow> = session_message::table
+        let rows: Vec<MessageRow> = on_backend!(connection, |c| session_message::table
             .filter(session_message::session_id.eq(session_id.to_string()))
             .filter(session_message::updated_seq.gt(self.through))
             .order(session_message::seq.asc())
             .select(MessageRow::as_select())
-            .load(connection)?;
+            .load(c))?;
         let read = rows.len();
         for row in rows {
             let message = row.message()?;
@@ -211,20 +213,20 @@ pub fn session_info(
     connection: &mut Conn,
     session_id: SessionId,
 ) -> Result<Option<SessionInfo>, Error> {
-    Ok(session::table
+    Ok(on_backend!(connection, |c| session::table
         .find(session_id.to_string())
         .select(SessionInfoRow::as_select())
-        .get_result(connection)
-        .optional()?
-        .map(|row| SessionInfo {
-            directory: row.directory,
-            agent: row.agent,
-            model: ModelRef {
-                provider: row.model_provider,
-                id: row.model_id,
-            },
-            deleted: row.deleted_at.is_some(),
-        }))
+        .get_result(c))
+    .optional()?
+    .map(|row| SessionInfo {
+        directory: row.directory,
+        agent: row.agent,
+        model: ModelRef {
+            provider: row.model_provider,
+            id: row.model_id,
+        },
+        deleted: row.deleted_at.is_some(),
+    }))
 }
 
 /// The calls of an assistant message that are neither completed nor failed.
@@ -239,7 +241,7 @@ pub fn unresolved_tools(
         .filter(session_tool::status.eq_any(["pending", "running"]))
         .order(session_tool::call_id.asc())
         .select(session_tool::call_id)
-        .load(connection)?;
+        .load_direct(connection)?;
     ids.into_iter()
         .map(|id| {
             id.parse()
@@ -300,14 +302,14 @@ impl SessionRow {
 
 /// A session as the API shows it; `None` when unknown or deleted.
 pub fn session(connection: &mut Conn, session_id: SessionId) -> Result<Option<Session>, Error> {
-    session::table
+    on_backend!(connection, |c| session::table
         .find(session_id.to_string())
         .filter(session::deleted_at.is_null())
         .select(SessionRow::as_select())
-        .get_result(connection)
-        .optional()?
-        .map(SessionRow::into_api)
-        .transpose()
+        .get_result(c))
+    .optional()?
+    .map(SessionRow::into_api)
+    .transpose()
 }
 
 /// A page of sessions, newest first, after the session `cursor` (exclusive).
@@ -326,7 +328,7 @@ pub fn sessions(
         let created: Option<i64> = session::table
             .find(cursor.to_string())
             .select(session::time_created)
-            .get_result(connection)
+            .get_direct(connection)
             .optional()?;
         let Some(created) = created else {
             return Ok(Vec::new());
@@ -351,6 +353,6 @@ pub fn pending_inputs(connection: &mut Conn, session_id: SessionId) -> Result<u3
         .filter(session_input::promoted_seq.is_null())
         .filter(session_input::cancelled_seq.is_null())
         .count()
-        .get_result(connection)?;
+        .get_direct(connection)?;
     u32::try_from(count).map_err(|_| Error::Corrupt(format!("{count} pending inputs")))
 }

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::fence::Held;
 use super::tools::result_event;
 use super::{Engine, Error};
+use crate::store::Direct as _;
 use crate::tool;
 
 impl Engine {
@@ -89,7 +90,7 @@ fn call_input(
     let (name, input): (String, Option<String>) = session_tool::table
         .find((session.to_string(), call.to_string()))
         .select((session_tool::name, session_tool::input))
-        .get_result(connection)?;
+        .get_direct(connection)?;
     let input = input
         .map(|text| serde_json::from_str(&text))
         .transpose()

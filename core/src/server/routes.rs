@@ -28,6 +28,7 @@ use crate::inbox::{self, Admission, Admitted};
 use crate::request::{self, Reply};
 use crate::runner;
 use crate::store;
+use crate::store::Direct as _;
 
 type Result<T> = std::result::Result<T, ApiError>;
 
@@ -544,12 +545,12 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse>
             // at every scrape.
             let sessions: i64 = session_count::table
                 .select(session_count::live)
-                .get_result(c)?;
-            let busy: i64 = session_execution::table.count().get_result(c)?;
+                .get_direct(c)?;
+            let busy: i64 = session_execution::table.count().get_direct(c)?;
             let waiting: i64 = session_request::table
                 .filter(session_request::state.eq("pending"))
                 .select(diesel::dsl::count(session_request::session_id).aggregate_distinct())
-                .get_result(c)?;
+                .get_direct(c)?;
             let nodes = cluster::list(c, alive_since)?.len() as u64;
             let count = |n: i64| u64::try_from(n).unwrap_or(0);
             Ok::<_, store::Error>(crate::metrics::Shared {

@@ -15,6 +15,7 @@ use super::statements::{CallTool, InsertTool, ResolveTool, SetMessageData, Settl
 use super::{Projection, ToolOutput};
 use crate::store::Error;
 use crate::store::column::text_of;
+use crate::store::on_backend;
 use crate::store::schema::{session_message, session_tool};
 
 impl Projection<'_> {
@@ -24,11 +25,11 @@ impl Projection<'_> {
         id: MessageId,
         change: impl FnOnce(&mut AssistantView<'_>) -> Result<T, String>,
     ) -> Result<T, Error> {
-        let row: Option<StoredMessage> = session_message::table
+        let row: Option<StoredMessage> = on_backend!(self.connection, |c| session_message::table
             .find(id.to_string())
             .select(StoredMessage::as_select())
-            .get_result(self.connection)
-            .optional()?;
+            .get_result(c))
+        .optional()?;
         let Some(row) = row else {
             return Err(self.refuse(format!("no message {id}")));
         };
@@ -238,11 +239,11 @@ impl Projection<'_> {
     }
 
     fn tool_row(&mut self, call_id: CallId) -> Result<Option<ToolRow>, Error> {
-        Ok(session_tool::table
+        Ok(on_backend!(self.connection, |c| session_tool::table
             .find((self.session_id, call_id.to_string()))
             .select(ToolRow::as_select())
-            .get_result(self.connection)
-            .optional()?)
+            .get_result(c))
+        .optional()?)
     }
 
     pub(super) fn resolve_tool(
