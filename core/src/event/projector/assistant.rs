@@ -494,10 +494,11 @@ impl Written {
         }
     }
 
-    /// A kept message's heap, estimated: its text, the decoded message about as large
-    /// again, and the entry.
+    /// A kept message's heap, estimated: its text, the decoded message's strings about
+    /// as large again, and 1 KiB for the message's structure and the entry (a short
+    /// message kept this way was measured at about 1.7 KiB of resident memory).
     fn cost(data: &str) -> usize {
-        2 * data.len() + 256
+        2 * data.len() + 1024
     }
 }
 
