@@ -48,22 +48,27 @@ test("a prompt is followed to idle with every event typed and in order", async (
 
 test("a log connection cut mid-stream resumes with every seq exactly once", async () => {
   let connections = 0;
-  // The first connection to the log breaks after its third chunk, as a network would.
+  // Armed once the first connection has delivered the session's first event: the next
+  // chunk it reads (the run's first events, however many the server sent together) is
+  // cut in the middle, as a network would, so the run's events arrive on a new
+  // connection whatever the chunking.
+  let armed = false;
   const cutting: typeof fetch = async (input, init) => {
     const response = await fetch(input, init);
     if (!String(input).includes("/log") || connections++ > 0 || !response.body) return response;
     const reader = response.body.getReader();
-    let chunks = 0;
     const body = new ReadableStream<Uint8Array>({
       async pull(controller) {
-        if (chunks++ === 3) {
+        const { value, done } = await reader.read();
+        if (done) {
+          controller.close();
+        } else if (armed) {
+          controller.enqueue(value.subarray(0, Math.floor(value.length / 2)));
           await reader.cancel();
           controller.error(new TypeError("connection reset"));
-          return;
+        } else {
+          controller.enqueue(value);
         }
-        const { value, done } = await reader.read();
-        if (done) controller.close();
-        else controller.enqueue(value);
       },
     });
     return new Response(body, { status: response.status, headers: response.headers });
@@ -72,8 +77,9 @@ test("a log connection cut mid-stream resumes with every seq exactly once", asyn
   const session = await client.createSession();
   const log = client.sessionLog(session.id, { reconnectDelayMs: 10, signal: closing.signal });
   // Connected (the session's first event read) before the prompt, so the run's events
-  // arrive live, a few per chunk, and the cut falls among them.
+  // arrive live, after the cut is armed.
   const created = await readUntil(log, (e) => e.type === "session.next.created");
+  armed = true;
   await client.prompt(session.id, { parts: [{ type: "text", text: "What is here?" }] });
   const events = [...created, ...(await readUntil(log, (e) => settled(e)))];
   assert.ok(connections >= 2, `the stream reconnected (${connections} connections)`);
