@@ -448,16 +448,16 @@ impl Written {
     }
 
     fn take_kept(&mut self, id: MessageId, stored: &str) -> Option<Message> {
-        let kept = self.messages.remove(&id)?;
-        self.bytes -= Self::cost(&kept.data);
-        (kept.data == stored).then_some(kept.message)
+        self.remove(id)
+            .filter(|kept| kept.data == stored)
+            .map(|kept| kept.message)
     }
 
     fn insert(&mut self, id: MessageId, data: String, message: Message) {
+        self.remove(id);
         let cost = Self::cost(&data);
         // A message this large is rare, and would push out many others.
         if cost > WRITTEN_BYTES / 16 {
-            self.remove(id);
             return;
         }
         while self.bytes + cost > WRITTEN_BYTES {
@@ -477,9 +477,7 @@ impl Written {
             data,
             message,
         };
-        if let Some(replaced) = self.messages.insert(id, kept) {
-            self.bytes -= Self::cost(&replaced.data);
-        }
+        self.messages.insert(id, kept);
         // Stale ids pile up as messages are taken and kept again.
         if self.order.len() > 2 * self.messages.len() + 64 {
             let messages = &self.messages;
@@ -488,10 +486,10 @@ impl Written {
         }
     }
 
-    fn remove(&mut self, id: MessageId) {
-        if let Some(kept) = self.messages.remove(&id) {
-            self.bytes -= Self::cost(&kept.data);
-        }
+    fn remove(&mut self, id: MessageId) -> Option<Kept> {
+        let kept = self.messages.remove(&id)?;
+        self.bytes -= Self::cost(&kept.data);
+        Some(kept)
     }
 
     /// A kept message's heap, estimated: its text, the decoded message's strings about
