@@ -335,7 +335,7 @@ impl Store {
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.inner.writers[0].submit(write)
+        self.inner.writers[0].submit(None, write)
     }
 
     /// [`Store::write`] for a write about `session`: every write of a session goes to the
@@ -351,7 +351,7 @@ impl Store {
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.writer_of(session).submit(write)
+        self.writer_of(session).submit(Some(session), write)
     }
 
     /// How many writers commit this store's writes ([`Options::pg_writers`]).
@@ -370,7 +370,7 @@ impl Store {
     /// Waits for an empty write to commit on every writer: whether all of them can.
     pub async fn check_writers(&self) -> Result<(), Error> {
         for writer in &self.inner.writers {
-            writer.submit(|_| Ok::<_, Error>(())).await?;
+            writer.submit(None, |_| Ok::<_, Error>(())).await?;
         }
         Ok(())
     }

@@ -10,14 +10,15 @@
 //! (fixed statements, see [`crate::store::fixed`]): the counter is advanced and read back
 //! ([`advance`]), then each event costs its projection and its insert. Lookups by key use
 //! `get_result`, not `first`, whose bound `LIMIT` makes SQLite recompile the statement at
-//! every use.
+//! every use. On PostgreSQL the writer's batch moves the counters of the sessions it
+//! locked in memory and writes them back at its end ([`super::counters`]).
 
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
 use keel_schema::event::{DurableEvent, Envelope, RawEvent};
 use keel_schema::id::{EventId, SessionId};
 
-use super::{projector, rows};
+use super::{counters, projector, rows};
 use crate::store::Direct as _;
 use crate::store::column::{db_int, from_db_int};
 use crate::store::fixed::fixed_query;
@@ -78,14 +79,18 @@ fn advance(connection: &mut Conn, id: &str, by: i64, now: i64) -> Result<Option<
             }
             Ok(Some(LastSeq { session_id: id }.get_direct(connection)?))
         }
+        // The writer's batch may keep the counter in memory (see `counters`); otherwise
         // PostgreSQL answers in the same round trip.
-        Conn::Pg(_) => Ok(AdvanceReturning {
-            session_id: id,
-            by,
-            now,
-        }
-        .get_direct(connection)
-        .optional()?),
+        Conn::Pg(_) => match counters::advance(connection, id, by, now)? {
+            Some(last) => Ok(Some(last)),
+            None => Ok(AdvanceReturning {
+                session_id: id,
+                by,
+                now,
+            }
+            .get_direct(connection)
+            .optional()?),
+        },
     }
 }
 
@@ -189,6 +194,7 @@ struct LogHead {
 /// transaction is already exclusive) and returns where its log stands.
 fn lock_session(connection: &mut Conn, session_id: SessionId) -> Result<Option<LogHead>, Error> {
     let id = session_id.to_string();
+    counters::flush(connection)?;
     let locked = diesel::update(session::table.find(&id))
         .set(session::last_seq.eq(session::last_seq))
         .execute(connection)?;
@@ -209,7 +215,9 @@ fn set_last_seq(
     last_seq: u64,
     time: i64,
 ) -> Result<(), Error> {
-    diesel::update(session::table.find(session_id.to_string()))
+    let id = session_id.to_string();
+    counters::forget(connection, &id)?;
+    diesel::update(session::table.find(id))
         .set((
             session::last_seq.eq(db_int(last_seq)?),
             session::time_updated.eq(time),
@@ -351,6 +359,7 @@ fn decode(session_id: SessionId, raw: RawEvent) -> Result<Envelope, Error> {
 
 /// The seq of the session's latest event, or `None` if there is no such session.
 pub fn last_seq(connection: &mut Conn, session_id: SessionId) -> Result<Option<u64>, Error> {
+    counters::flush(connection)?;
     session::table
         .find(session_id.to_string())
         .select(session::last_seq)

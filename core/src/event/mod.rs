@@ -7,6 +7,7 @@
 //! - [`view`]: reading those tables: sessions, inputs, the transcript, unresolved calls.
 //! - [`replay`]: rebuilding a session's projections from its log in another database.
 
+pub(crate) mod counters;
 pub mod log;
 pub mod projector;
 pub mod replay;

@@ -29,6 +29,7 @@ use self::statements::{
     AddUsage, AnswerRequest, CancelInput, CountCreated, CountDeleted, InsertMessage, InsertRequest,
     PromoteInput, RequestExecution, SetAgent, SetDeleted, SetModel, SetTitle,
 };
+use super::counters;
 use super::view::InputRow;
 use crate::request::{Kind, Reply};
 use crate::store::column::{db_int, text_of};
@@ -136,6 +137,9 @@ impl Projection<'_> {
                     id: self.session_id,
                     at: envelope.time,
                 })?;
+                // The writer's batch counts this session's events no more in memory: the
+                // table says it takes none.
+                counters::forget(self.connection, self.session_id)?;
                 // A deleted session takes no more events, so this runs once per session.
                 self.run(CountDeleted)
             }

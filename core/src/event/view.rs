@@ -13,6 +13,7 @@ use keel_schema::api::{Input, InputStatus, Message, Session};
 use keel_schema::id::{CallId, InputId, MessageId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef, Usage};
 
+use super::counters;
 use crate::store::Direct as _;
 use crate::store::column::{from_db_int, parse_text};
 use crate::store::on_backend;
@@ -302,6 +303,7 @@ impl SessionRow {
 
 /// A session as the API shows it; `None` when unknown or deleted.
 pub fn session(connection: &mut Conn, session_id: SessionId) -> Result<Option<Session>, Error> {
+    counters::flush(connection)?;
     on_backend!(connection, |c| session::table
         .find(session_id.to_string())
         .filter(session::deleted_at.is_null())
@@ -318,6 +320,7 @@ pub fn sessions(
     cursor: Option<SessionId>,
     limit: u32,
 ) -> Result<Vec<Session>, Error> {
+    counters::flush(connection)?;
     let mut query = session::table
         .filter(session::deleted_at.is_null())
         .order((session::time_created.desc(), session::id.desc()))

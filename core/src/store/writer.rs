@@ -8,11 +8,13 @@
 //!
 //! Writes rarely fail, so a batch first runs them plainly, one after another, the event
 //! rows they append gathered and inserted together before the commit
-//! ([`crate::event::rows`]). Should a write fail (or the gathered rows be refused), the
-//! transaction is rolled back (undoing whatever had been done), and the batch runs again
-//! with each write in its own savepoint (prepared statements, see [`in_savepoint`]) and
-//! its rows inserted as it appends them, where a failing write rolls back to its
-//! savepoint alone. A savepoint's two statements are a good share of a write (an append
+//! ([`crate::event::rows`]) and, on PostgreSQL, the counters of the sessions they are for
+//! moved in memory and written back together ([`crate::event::counters`]). Should
+//! a write fail (or the gathered rows be refused), the transaction is rolled back
+//! (undoing whatever had been done), and the batch runs again with each write in its own
+//! savepoint (prepared statements, see [`in_savepoint`]) and its rows inserted and
+//! counters moved as it appends, where a failing write rolls back to its savepoint
+//! alone. A savepoint's two statements are a good share of a write (an append
 //! is three or four), so they are paid only by a batch that needs them; a batch of one
 //! write never does: rolling the transaction back undoes exactly that write. Running a
 //! batch again relies on what conflicts rely on too (below): a write is a closure that
@@ -53,7 +55,7 @@ use super::conn::Settings;
 use super::deferred::{Durable, Horizon, SyncWaiter, Unsynced};
 use super::fixed::fixed_query;
 use super::{Conn, Error, Failpoint, Stats};
-use crate::event::rows;
+use crate::event::{counters, rows};
 
 /// One write waiting for the writer.
 trait Write: Send {
@@ -67,6 +69,8 @@ trait Write: Send {
     fn finish(self: Box<Self>, commit_failure: Option<&str>);
     /// Reports that the write never took effect.
     fn fail(self: Box<Self>, message: &str);
+    /// The session the write is for, when its caller named one.
+    fn session(&self) -> Option<SessionId>;
     /// The session of a deferred write; `None` for a write that must be on disk before
     /// its caller hears of it.
     fn deferred(&self) -> Option<SessionId>;
@@ -80,6 +84,7 @@ struct Pending<F, T, E> {
     write: F,
     result: Option<Result<T, E>>,
     reply: oneshot::Sender<Result<T, E>>,
+    session: Option<SessionId>,
     deferred: Option<(SessionId, Option<SyncWaiter>)>,
 }
 
@@ -116,6 +121,10 @@ where
         let error = E::from(Error::CommitFailed(message.to_owned()));
         // As above: a caller that stopped waiting needs no answer.
         drop(self.reply.send(Err(error)));
+    }
+
+    fn session(&self) -> Option<SessionId> {
+        self.session
     }
 
     fn deferred(&self) -> Option<SessionId> {
@@ -196,13 +205,18 @@ impl Handle {
     // futures with combinators: an `async` block that awaits a future it captured
     // holds it twice.
 
-    pub fn submit<T, E, F>(&self, write: F) -> impl Future<Output = Result<T, E>> + Send + '_
+    /// Submits a write, of `session` when it is for one.
+    pub fn submit<T, E, F>(
+        &self,
+        session: Option<SessionId>,
+        write: F,
+    ) -> impl Future<Output = Result<T, E>> + Send + '_
     where
         T: Send + 'static,
         E: From<Error> + From<diesel::result::Error> + Send + 'static,
         F: FnMut(&mut Conn) -> Result<T, E> + Send + 'static,
     {
-        self.send(write, None)
+        self.send(write, session, None)
     }
 
     /// Submits a write of `session` whose caller hears of it once committed, and learns
@@ -223,15 +237,17 @@ impl Handle {
         } else {
             (None, None)
         };
-        self.send(write, deferred).map(move |committed| {
-            let durable = synced.map_or_else(Durable::now, Durable::later);
-            committed.map(|value| (value, durable))
-        })
+        self.send(write, Some(session), deferred)
+            .map(move |committed| {
+                let durable = synced.map_or_else(Durable::now, Durable::later);
+                committed.map(|value| (value, durable))
+            })
     }
 
     fn send<T, E, F>(
         &self,
         write: F,
+        session: Option<SessionId>,
         deferred: Option<(SessionId, Option<SyncWaiter>)>,
     ) -> impl Future<Output = Result<T, E>> + Send + '_
     where
@@ -244,6 +260,7 @@ impl Handle {
             write,
             result: None,
             reply,
+            session,
             deferred,
         });
         async move {
@@ -534,8 +551,8 @@ enum Attempt {
     /// a batch of one write (its caller hears its own error), else the batch runs again
     /// with savepoints.
     WriteFailed,
-    /// The gathered event rows were refused and the transaction was rolled back: the
-    /// batch runs again inserting each row with its write.
+    /// The gathered event rows (or kept counters) were refused and the transaction was
+    /// rolled back: the batch runs again inserting each row with its write.
     FlushFailed(String),
     /// A failpoint rolled the transaction back.
     Failpoint,
@@ -566,7 +583,7 @@ fn run_batch(
         match attempt_batch(connection, &mut batch, fail, conflicts, mode) {
             Attempt::WriteFailed if batch.len() > 1 => mode = Mode::CAREFUL,
             Attempt::FlushFailed(message) => {
-                tracing::warn!(%message, writes = batch.len(), "a batch's event rows were refused; running it again row by row");
+                tracing::warn!(%message, writes = batch.len(), "a batch's event rows or counters were refused; running it again row by row");
                 mode = Mode {
                     savepoints: batch.len() > 1,
                     gathered: false,
@@ -644,22 +661,34 @@ impl Mode {
     };
 }
 
-/// Ends an attempt's gathering of event rows, however the attempt ends.
+/// Ends an attempt's gathering of event rows and keeping of counters, however the
+/// attempt ends.
 struct Gathering;
 
 impl Gathering {
-    /// Gathers when `gathered`; otherwise rows go in at once, as after every attempt.
-    fn start(gathered: bool) -> Self {
+    /// Gathers when `gathered`, and keeps the counters of the sessions `batch`'s writes
+    /// are for ([`counters`]); otherwise rows go in at once and counters move in the
+    /// table, as after every attempt.
+    fn start(connection: &Conn, batch: &[Job], gathered: bool) -> Self {
         if gathered {
             rows::gather();
+            let sessions: Vec<SessionId> = batch.iter().filter_map(|job| job.session()).collect();
+            counters::keep(connection, &sessions);
         }
         Self
+    }
+
+    /// Writes what was gathered and kept before the commit.
+    fn flush(connection: &mut Conn) -> diesel::QueryResult<()> {
+        rows::flush(connection)?;
+        counters::flush(connection)
     }
 }
 
 impl Drop for Gathering {
     fn drop(&mut self) {
         rows::stop();
+        counters::stop();
     }
 }
 
@@ -675,7 +704,7 @@ fn attempt_batch(
         return Attempt::NotBegun(format!("could not begin a transaction: {e}"));
     }
     conflicts.take();
-    let _gathering = Gathering::start(mode.gathered);
+    let _gathering = Gathering::start(connection, batch, mode.gathered);
     let savepoints = mode.savepoints;
 
     for (index, job) in batch.iter_mut().enumerate() {
@@ -699,10 +728,10 @@ fn attempt_batch(
         }
     }
     if mode.gathered
-        && let Err(e) = rows::flush(connection)
+        && let Err(e) = Gathering::flush(connection)
     {
         let conflict = conflicts.take() || is_conflict(&e);
-        let message = format!("inserting the batch's event rows failed: {e}");
+        let message = format!("writing the batch's event rows and counters failed: {e}");
         rollback_all(connection);
         return if conflict {
             Attempt::Conflict(message)
@@ -932,6 +961,7 @@ mod tests {
             write,
             result: None,
             reply,
+            session: None,
             deferred: None,
         });
         (job, outcome)
@@ -1095,6 +1125,7 @@ mod tests {
             },
             result: None,
             reply,
+            session: None,
             deferred: None,
         });
         run_synced(&mut connection, vec![appending, reading], &conflicts);

@@ -140,3 +140,54 @@ async fn a_transaction_left_idle_by_a_stalled_node_is_ended_and_its_locks_releas
         .await
         .unwrap();
 }
+
+/// Three nodes append to the same sessions at once, each with several writers, so that
+/// every node's batches lock many of the sessions together and move their counters: the
+/// row locks order them, and each session's log is numbered without a gap or a repeat,
+/// its counter equal to its last seq.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_appending_to_the_same_sessions_at_once_number_every_event_once() {
+    let Some(db) = TestDb::postgres() else {
+        return;
+    };
+    let nodes = [db.open().await, db.open().await, db.open().await];
+    let sessions = crate::support::new_sessions(&nodes[0], 8).await;
+    let per_task = 15;
+    let mut tasks = Vec::new();
+    for (n, node) in nodes.iter().enumerate() {
+        for &session in &sessions {
+            let node = node.clone();
+            tasks.push(tokio::spawn(async move {
+                for i in 0..per_task {
+                    node.append(session, vec![renamed(&format!("{n}:{i}"))])
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let last = 1 + (nodes.len() * per_task) as u64;
+    for &session in &sessions {
+        let events = nodes[1].read_log(session, 0, 1000).await.unwrap();
+        let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (1..=last).collect::<Vec<u64>>());
+        assert_eq!(nodes[2].last_seq(session).await.unwrap(), Some(last));
+        // Each node's appends to a session kept their order.
+        for n in 0..nodes.len() {
+            let titles: Vec<String> = events
+                .iter()
+                .filter_map(|e| match &e.event {
+                    DurableEvent::Renamed(r) if r.title.starts_with(&format!("{n}:")) => {
+                        Some(r.title.clone())
+                    }
+                    _ => None,
+                })
+                .collect();
+            let expected: Vec<String> = (0..per_task).map(|i| format!("{n}:{i}")).collect();
+            assert_eq!(titles, expected);
+        }
+    }
+}

@@ -40,6 +40,7 @@ backend_tests!(
     a_write_reading_the_log_sees_what_earlier_writes_of_its_batch_appended,
     a_failing_write_in_a_shared_transaction_undoes_only_itself,
     the_count_of_sessions_not_deleted_follows_creations_and_deletions,
+    a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_numbered,
 );
 
 /// `session_count`, which `GET /metrics` reads instead of counting the sessions, is kept
@@ -424,4 +425,141 @@ async fn a_write_reading_the_log_sees_what_earlier_writes_of_its_batch_appended(
     );
     let (batches, writes) = store.stats();
     assert!(writes > batches, "the append and the read shared a batch");
+}
+
+/// One batch of writes for several sessions, as a busy node's writer runs them (on
+/// PostgreSQL the batch keeps the sessions' counters in memory and writes them back at
+/// its end): every append is numbered after the one before it in its session, whether its
+/// write named the session or not; a read inside the batch sees the counter its writes
+/// moved; a session deleted in the batch takes no more events; a session created in the
+/// batch is counted too; and the table's counters and update times are right after.
+async fn a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_numbered(
+    db: TestDb,
+) {
+    use keel_core::event::{log, view};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    // One writer, so that every write below goes to the same one.
+    let store = Store::open(
+        db.url.clone(),
+        keel_core::store::Options {
+            pg_writers: 1,
+            ..db.options()
+        },
+    )
+    .await
+    .unwrap();
+    let [a, b, c]: [SessionId; 3] = new_sessions(&store, 3).await.try_into().unwrap();
+    let d = SessionId::new();
+    db.clock.advance(7);
+    let now = T0 + 7;
+
+    // The first write holds the writer until every other one is queued behind it, so
+    // that they all share the next batch.
+    let (started, running) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let hold = store.write_for(a, move |_| {
+        let _ = started.send(());
+        let _ = released
+            .lock()
+            .unwrap()
+            .recv_timeout(Duration::from_secs(10));
+        Ok::<_, Error>(())
+    });
+    let mut hold = std::pin::pin!(hold);
+    assert!(futures::poll!(&mut hold).is_pending());
+    tokio::task::spawn_blocking(move || running.recv_timeout(Duration::from_secs(10)))
+        .await
+        .unwrap()
+        .expect("the holding write runs");
+    let (batches_before, writes_before) = store.stats();
+
+    let append = |session: SessionId, events: Vec<DurableEvent>| {
+        move |c: &mut keel_core::store::Conn| log::append(c, now, session, events.clone())
+    };
+    let seqs = |events: Vec<Envelope>| events.iter().map(|e| e.seq).collect::<Vec<u64>>();
+    let mut writes = Box::pin(async {
+        tokio::join!(
+            // Named for `a`, twice.
+            store.write_for(a, append(a, vec![renamed("a1"), renamed("a2")])),
+            store.write_for(a, append(a, vec![renamed("a3")])),
+            // Appends to `b`, reading its counter back after each append, each read
+            // the first thing after it that could write the counters back.
+            store.write_for(b, move |c| {
+                let b1 = log::append(c, now, b, vec![renamed("b1")])?;
+                let shown = view::session(c, b)?.map(|s| (s.last_seq, s.time_updated));
+                let b2 = log::append(c, now, b, vec![renamed("b2")])?;
+                let listed = view::sessions(c, None, 100)?
+                    .into_iter()
+                    .find(|s| s.id == b)
+                    .map(|s| s.last_seq);
+                let b3 = log::append(c, now, b, vec![renamed("b3")])?;
+                let counted = log::last_seq(c, b)?;
+                let read = log::read(c, b, 0, 100)?.last().map(|e| e.seq);
+                let appended = [b1, b2, b3].concat();
+                Ok::<_, Error>((appended, shown, listed, counted, read))
+            }),
+            // Not named for `a`: numbered after the writes above that were.
+            store.write(append(a, vec![renamed("a4")])),
+            // `c` deleted, then refused.
+            store.write_for(
+                c,
+                append(c, vec![DurableEvent::Deleted(payload::Deleted {})])
+            ),
+            store.write_for(c, {
+                let append = append(c, vec![renamed("too late")]);
+                move |conn| Ok::<_, Error>(append(conn).map_err(|e| e.to_string()))
+            }),
+            // `d` created in the batch, then appended to by a write named for it.
+            store.write(append(d, vec![created("d")])),
+            store.write_for(d, append(d, vec![renamed("d1")])),
+            // `a` again, moved in memory after every read above: written back at commit.
+            store.write_for(a, append(a, vec![renamed("a5")])),
+        )
+    });
+    // Every write queued, then the writer let go.
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    let (a12, a3, b123, a4, c_deleted, c_refused, d_created, d1, a5) = writes.await;
+
+    let (batches, writes) = store.stats();
+    assert_eq!(writes - writes_before, 9);
+    assert_eq!(batches - batches_before, 1, "the writes shared one batch");
+
+    assert_eq!(seqs(a12.unwrap()), vec![2, 3]);
+    assert_eq!(seqs(a3.unwrap()), vec![4]);
+    assert_eq!(seqs(a4.unwrap()), vec![5]);
+    let (b123, shown, listed, counted, read) = b123.unwrap();
+    assert_eq!(seqs(b123), vec![2, 3, 4]);
+    assert_eq!(shown, Some((2, now)), "the session view in the batch");
+    assert_eq!(listed, Some(3), "the session list in the batch");
+    assert_eq!(counted, Some(4), "log::last_seq in the batch");
+    assert_eq!(read, Some(4), "the log read in the batch");
+    assert_eq!(seqs(c_deleted.unwrap()), vec![2]);
+    let refused = c_refused.unwrap().unwrap_err();
+    assert_eq!(refused, Error::SessionDeleted(c).to_string());
+    assert_eq!(seqs(d_created.unwrap()), vec![1]);
+    assert_eq!(seqs(d1.unwrap()), vec![2]);
+    assert_eq!(seqs(a5.unwrap()), vec![6]);
+
+    // Committed: the logs and the table's counters agree.
+    for (session, last) in [(a, 6), (b, 4), (c, 2), (d, 2)] {
+        let log = store.read_log(session, 0, 100).await.unwrap();
+        assert_eq!(seqs(log), (1..=last).collect::<Vec<u64>>(), "{session}");
+        assert_eq!(store.last_seq(session).await.unwrap(), Some(last));
+    }
+    for session in [a, b, d] {
+        let shown = store
+            .read(move |c| view::session(c, session))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(shown.time_updated, now, "{session}");
+    }
+    // The next batch goes on from the counters the last one wrote back.
+    let next = store.append(a, vec![renamed("a6")]).await.unwrap();
+    assert_eq!(seqs(next), vec![7]);
 }
