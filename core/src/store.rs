@@ -33,7 +33,7 @@ use keel_schema::event::DecodeError;
 use keel_schema::id::{EventId, SessionId};
 
 pub use conn::{Conn, Synchronous};
-pub(crate) use conn::{Direct, load_at_most, on_backend};
+pub(crate) use conn::{Direct, is_in_savepoint, load_at_most, on_backend};
 pub use deferred::Durable;
 pub use url::DbUrl;
 

@@ -3,14 +3,15 @@
 //! An append moves its session's counter (`session.last_seq`) before numbering its
 //! events ([`crate::event::log`]): on PostgreSQL a round trip per append, and the counter
 //! is what serializes a session's appends across nodes, by its row lock. While the writer
-//! runs a batch of writes for several sessions plainly, it keeps their counters here, on
-//! its thread, instead ([`keep`]): the first append to one of them locks them all with
-//! one statement (`SELECT … FOR UPDATE`, in the order of their ids), each append then
-//! moves its counter in memory ([`advance`]), and one statement writes the moved counters
-//! back before the batch commits ([`flush`]). A batch of n sessions' appends makes two
-//! round trips for its counters instead of n or more. A session the writes did not name
-//! (a plain [`Store::write`] appending to it, or one created in the batch) is counted in
-//! the table as before.
+//! runs a batch of writes for several sessions plainly, it keeps the counters of the
+//! sessions they were submitted for ([`Store::write_for`]) here, on its thread, instead
+//! ([`keep`]): the first append to one of them locks them all with one statement
+//! (`SELECT … FOR NO KEY UPDATE`, the lock an `UPDATE` takes, in the order of their ids),
+//! each append to one of them then moves its counter in memory, whichever write makes it
+//! ([`advance`]), and one statement writes the moved counters back before the batch
+//! commits ([`flush`]). A batch of n sessions' appends makes two round trips for its
+//! counters instead of n or more. Any other session (not named, or created after the
+//! lock) is counted in the table as before.
 //!
 //! The table's counters are stale until then, so whatever reads `session`'s counter or
 //! update time on a connection that may be the writer's flushes first (the log's
@@ -21,12 +22,19 @@
 //! again keeping them afresh, or not at all (after a failed write, each write in its
 //! savepoint counts in the table).
 //!
+//! A write's own savepoint (a nested transaction) may be rolled back while the batch goes
+//! on, which would release locks taken in it and undo a write-back made in it, but not
+//! what is kept here. So nothing is locked or moved in memory inside one: an append there
+//! moves its counter in the table, after forgetting the kept one; and should a write-back
+//! happen inside one, the batch cannot commit what it kept ([`undone`]): the writer rolls
+//! it back and runs it again keeping nothing.
+//!
 //! SQLite keeps nothing here: its statements cost no round trip, and a batch's counter
 //! update and lookup cost it about what keeping them would.
 //!
-//! [`Store::write`]: crate::store::Store::write
+//! [`Store::write_for`]: crate::store::Store::write_for
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use diesel::pg::Pg;
@@ -35,7 +43,7 @@ use diesel::sql_types::{Array, BigInt, Text};
 use diesel::{QueryResult, RunQueryDsl};
 use keel_schema::id::SessionId;
 
-use crate::store::Conn;
+use crate::store::{Conn, is_in_savepoint};
 
 /// A kept session's counter.
 #[derive(Debug)]
@@ -59,6 +67,8 @@ enum Kept {
 thread_local! {
     /// What this thread keeps, while it runs a batch that keeps counters.
     static KEPT: RefCell<Option<Kept>> = const { RefCell::new(None) };
+    /// Whether a write-back ran inside a savepoint, which may have undone it since.
+    static UNDONE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Keeps the counters of `sessions` on this thread until [`stop`], locking them when the
@@ -80,47 +90,49 @@ pub(crate) fn keep(connection: &Conn, sessions: &[SessionId]) {
 /// Drops what this thread keeps, written back or not.
 pub(crate) fn stop() {
     KEPT.with(|kept| *kept.borrow_mut() = None);
+    UNDONE.with(|undone| undone.set(false));
+}
+
+/// Whether a savepoint may have undone some of what was written back: the batch cannot
+/// commit what it kept, and runs again keeping nothing.
+pub(crate) fn undone() -> bool {
+    UNDONE.with(Cell::get)
 }
 
 /// Moves the kept counter of session `id` on by `by` at time `now` and returns its new
 /// value, or `Ok(None)` when this thread keeps no counter for it. The first append to a
 /// session the batch's writes named locks all of them, with one statement, in the order
 /// of their ids, so two nodes' batches never wait for each other in a cycle there.
+///
+/// Inside a savepoint (a write's own nested transaction) nothing is locked or moved in
+/// memory, since rolling the savepoint back would release the locks and leave the moves:
+/// the session's counter moves in the table, written back first if it had moved.
 pub(crate) fn advance(
     connection: &mut Conn,
     id: &str,
     by: i64,
     now: i64,
 ) -> QueryResult<Option<i64>> {
-    let named = KEPT.with(|kept| match kept.borrow_mut().as_mut() {
+    let state = KEPT.with(|kept| match kept.borrow().as_ref() {
+        None => State::None,
         Some(Kept::Named(ids)) if ids.binary_search_by(|named| named.as_str().cmp(id)).is_ok() => {
-            Some(std::mem::take(ids))
+            State::Named
         }
-        _ => None,
+        Some(Kept::Named(_)) => State::None,
+        Some(Kept::Locked(counters)) if counters.contains_key(id) => State::Locked,
+        Some(Kept::Locked(_)) => State::None,
     });
-    if let Some(ids) = named {
-        let Conn::Pg(pg) = connection else {
-            unreachable!("counters are kept only on PostgreSQL")
-        };
-        let locked = match (LockSessions { ids: &ids }).load::<(String, i64)>(pg) {
-            Ok(locked) => locked,
-            Err(e) => {
-                // The transaction is doomed; nothing more is kept for it.
-                stop();
-                return Err(e);
-            }
-        };
-        let counters = locked
-            .into_iter()
-            .map(|(id, last_seq)| {
-                let counter = Counter {
-                    last_seq,
-                    moved_at: None,
-                };
-                (id, counter)
-            })
-            .collect();
-        KEPT.with(|kept| *kept.borrow_mut() = Some(Kept::Locked(counters)));
+    if state == State::None {
+        return Ok(None);
+    }
+    if is_in_savepoint(connection)? {
+        if state == State::Locked {
+            forget(connection, id)?;
+        }
+        return Ok(None);
+    }
+    if state == State::Named {
+        lock(connection)?;
     }
     Ok(KEPT.with(|kept| {
         let mut kept = kept.borrow_mut();
@@ -134,9 +146,51 @@ pub(crate) fn advance(
     }))
 }
 
+/// Where a session stands in what this thread keeps.
+#[derive(Debug, PartialEq, Eq)]
+enum State {
+    /// Not kept: its counter moves in the table.
+    None,
+    /// Named by the batch's writes, none of them locked yet.
+    Named,
+    /// Locked, its counter kept.
+    Locked,
+}
+
+/// Locks the named sessions and keeps their counters.
+fn lock(connection: &mut Conn) -> QueryResult<()> {
+    let Conn::Pg(pg) = connection else {
+        unreachable!("counters are kept only on PostgreSQL")
+    };
+    let ids = KEPT.with(|kept| match kept.borrow_mut().as_mut() {
+        Some(Kept::Named(ids)) => std::mem::take(ids),
+        _ => Vec::new(),
+    });
+    let locked = match (LockSessions { ids: &ids }).load::<(String, i64)>(pg) {
+        Ok(locked) => locked,
+        Err(e) => {
+            // The transaction is doomed; nothing more is kept for it.
+            stop();
+            return Err(e);
+        }
+    };
+    let counters = locked
+        .into_iter()
+        .map(|(id, last_seq)| {
+            let counter = Counter {
+                last_seq,
+                moved_at: None,
+            };
+            (id, counter)
+        })
+        .collect();
+    KEPT.with(|kept| *kept.borrow_mut() = Some(Kept::Locked(counters)));
+    Ok(())
+}
+
 /// Writes the counters moved since the last flush to the table; they stay kept.
 pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
-    let Conn::Pg(pg) = connection else {
+    let Conn::Pg(_) = connection else {
         return Ok(());
     };
     let moved = KEPT.with(|kept| {
@@ -155,6 +209,14 @@ pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
     if moved.ids.is_empty() {
         return Ok(());
     }
+    if is_in_savepoint(connection)? {
+        // Rolling the savepoint back would undo this write-back, and nothing here would
+        // know: the batch cannot commit what it kept.
+        UNDONE.with(|undone| undone.set(true));
+    }
+    let Conn::Pg(pg) = connection else {
+        unreachable!("matched above")
+    };
     let written = moved.execute(pg);
     if written.is_err() {
         // Not in the table, and the transaction doomed: nothing more is kept for it.
@@ -200,7 +262,7 @@ impl QueryFragment<Pg> for LockSessions<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(r#"SELECT "id", "last_seq" FROM "session" WHERE "id" = ANY("#);
         out.push_bind_param::<Array<Text>, _>(self.ids)?;
-        out.push_sql(r#") AND "deleted_at" IS NULL ORDER BY "id" FOR UPDATE"#);
+        out.push_sql(r#") AND "deleted_at" IS NULL ORDER BY "id" FOR NO KEY UPDATE"#);
         Ok(())
     }
 }

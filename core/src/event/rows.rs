@@ -11,8 +11,14 @@
 //! only when it runs a batch plainly: if the flush fails (a row the database refuses),
 //! it rolls the batch back and runs it again inserting each row at once, so that the
 //! write whose row is refused fails alone ([`crate::store`]'s writer).
+//!
+//! A write's own savepoint (a nested transaction) may be rolled back while the batch goes
+//! on, which undoes what was inserted in it but not what waits here: a row appended
+//! inside one goes in at once, and should gathered rows be flushed inside one (a read of
+//! the log there), the batch cannot commit ([`undone`]): the writer rolls it back and
+//! runs it again gathering nothing.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use diesel::backend::Backend;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
@@ -20,8 +26,8 @@ use diesel::serialize::ToSql;
 use diesel::sql_types::{BigInt, HasSqlType, Integer, Text};
 use diesel::{QueryResult, RunQueryDsl};
 
-use crate::store::Conn;
 use crate::store::fixed::fixed_query;
+use crate::store::{Conn, is_in_savepoint};
 
 /// One row of `event`.
 #[derive(Debug, Clone)]
@@ -41,6 +47,9 @@ const CHUNK: usize = 500;
 thread_local! {
     /// The rows gathered on this thread, while it gathers.
     static GATHERED: RefCell<Option<Vec<Row>>> = const { RefCell::new(None) };
+    /// Whether gathered rows were inserted inside a savepoint, which may have undone
+    /// them since.
+    static UNDONE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Until [`stop`], rows inserted on this thread wait for [`flush`]; drops any rows
@@ -52,21 +61,28 @@ pub(crate) fn gather() {
 /// Inserts rows at once again on this thread, dropping any not flushed.
 pub(crate) fn stop() {
     GATHERED.with(|gathered| *gathered.borrow_mut() = None);
+    UNDONE.with(|undone| undone.set(false));
 }
 
-/// Inserts `row`, or keeps it for [`flush`] while this thread gathers.
+/// Whether a savepoint may have undone gathered rows inserted in it: the batch cannot
+/// commit, and runs again gathering nothing.
+pub(crate) fn undone() -> bool {
+    UNDONE.with(Cell::get)
+}
+
+/// Inserts `row`, or keeps it for [`flush`] while this thread gathers. A row appended
+/// inside a savepoint goes in at once, so that rolling the savepoint back undoes it.
 pub(crate) fn insert(connection: &mut Conn, row: Row) -> QueryResult<()> {
-    let row = GATHERED.with(|gathered| match gathered.borrow_mut().as_mut() {
-        Some(rows) => {
-            rows.push(row);
-            None
-        }
-        None => Some(row),
-    });
-    match row {
-        Some(row) => insert_one(connection, &row),
-        None => Ok(()),
+    let gathering = GATHERED.with(|gathered| gathered.borrow().is_some());
+    if gathering && !is_in_savepoint(connection)? {
+        GATHERED.with(|gathered| {
+            if let Some(rows) = gathered.borrow_mut().as_mut() {
+                rows.push(row);
+            }
+        });
+        return Ok(());
     }
+    insert_one(connection, &row)
 }
 
 /// Inserts the rows gathered so far (nothing when this thread does not gather); this
@@ -76,6 +92,10 @@ pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
     let Some(rows) = rows else {
         return Ok(());
     };
+    if !rows.is_empty() && is_in_savepoint(connection)? {
+        // Rolling the savepoint back would undo these rows, and nothing here would know.
+        UNDONE.with(|undone| undone.set(true));
+    }
     for chunk in rows.chunks(CHUNK) {
         match chunk {
             [] => {}

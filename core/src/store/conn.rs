@@ -129,6 +129,18 @@ impl ManageConnection for Manager {
     }
 }
 
+/// Whether `connection` is inside a savepoint of its transaction (a write's own nested
+/// transaction, in the writer's batch): what is done there may be rolled back while the
+/// batch goes on, so what the writer's thread gathers for the batch's end must not be
+/// done or kept there.
+pub(crate) fn is_in_savepoint(connection: &mut Conn) -> diesel::QueryResult<bool> {
+    use diesel::connection::TransactionManager;
+    let depth =
+        <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection)
+            .transaction_depth()?;
+    Ok(depth.is_some_and(|depth| depth.get() > 1))
+}
+
 /// Loads at most `at_most` rows of `query`.
 ///
 /// SQLite recompiles a statement at every use once its `LIMIT` is a bound parameter; it

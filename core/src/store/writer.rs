@@ -9,16 +9,18 @@
 //! Writes rarely fail, so a batch first runs them plainly, one after another, the event
 //! rows they append gathered and inserted together before the commit
 //! ([`crate::event::rows`]) and, on PostgreSQL, the counters of the sessions they are for
-//! moved in memory and written back together ([`crate::event::counters`]). Should
-//! a write fail (or the gathered rows be refused), the transaction is rolled back
-//! (undoing whatever had been done), and the batch runs again with each write in its own
-//! savepoint (prepared statements, see [`in_savepoint`]) and its rows inserted and
-//! counters moved as it appends, where a failing write rolls back to its savepoint
-//! alone. A savepoint's two statements are a good share of a write (an append
-//! is three or four), so they are paid only by a batch that needs them; a batch of one
-//! write never does: rolling the transaction back undoes exactly that write. Running a
-//! batch again relies on what conflicts rely on too (below): a write is a closure that
-//! may run more than once.
+//! moved in memory and written back together ([`crate::event::counters`]). What a write
+//! does inside a savepoint of its own is not gathered; should gathered rows or counters
+//! be written inside one, the batch runs again gathering nothing, since rolling that
+//! savepoint back would have undone them unseen. Should a write fail (or the gathered
+//! rows be refused), the transaction is rolled back (undoing whatever had been done),
+//! and the batch runs again with each write in its own savepoint (prepared statements,
+//! see [`in_savepoint`]) and its rows inserted and counters moved as it appends, where a
+//! failing write rolls back to its savepoint alone. A savepoint's two statements are a
+//! good share of a write (an append is three or four), so they are paid only by a batch
+//! that needs them; a batch of one write never does: rolling the transaction back undoes
+//! exactly that write. Running a batch again relies on what conflicts rely on too
+//! (below): a write is a closure that may run more than once.
 
 //! When the transaction cannot even begin (the database dropped the connection: a
 //! restart, a failover), no write has run, so the writer reconnects, waiting for the
@@ -554,6 +556,10 @@ enum Attempt {
     /// The gathered event rows (or kept counters) were refused and the transaction was
     /// rolled back: the batch runs again inserting each row with its write.
     FlushFailed(String),
+    /// A write's savepoint may have undone event rows or counters the batch had gathered
+    /// and written in it, and the transaction was rolled back: the batch runs again
+    /// gathering and keeping none.
+    Undone,
     /// A failpoint rolled the transaction back.
     Failpoint,
     /// The write at this index panicked; everything was rolled back.
@@ -587,6 +593,14 @@ fn run_batch(
                 mode = Mode {
                     savepoints: batch.len() > 1,
                     gathered: false,
+                    kept: false,
+                };
+            }
+            Attempt::Undone => {
+                mode = Mode {
+                    gathered: false,
+                    kept: false,
+                    ..mode
                 };
             }
             Attempt::Conflict(message) if attempt < CONFLICT_ATTEMPTS => {
@@ -629,7 +643,9 @@ fn run_batch(
             }
             return Ran::Carry(rest);
         }
-        Attempt::NotBegun(_) | Attempt::FlushFailed(_) => unreachable!("handled above"),
+        Attempt::NotBegun(_) | Attempt::FlushFailed(_) | Attempt::Undone => {
+            unreachable!("handled above")
+        }
     };
     // Without a failure, the last attempt ran every write, so each reports its own result.
     for job in batch {
@@ -646,6 +662,9 @@ struct Mode {
     /// The event rows the writes append gathered and inserted together before the
     /// commit ([`crate::event::rows`]).
     gathered: bool,
+    /// With `gathered`, the counters of the sessions the writes are for kept in memory
+    /// and written back together before the commit ([`counters`]).
+    kept: bool,
 }
 
 impl Mode {
@@ -653,11 +672,13 @@ impl Mode {
     const PLAIN: Self = Self {
         savepoints: false,
         gathered: true,
+        kept: true,
     };
     /// After a write failed: each undoes only itself.
     const CAREFUL: Self = Self {
         savepoints: true,
         gathered: false,
+        kept: false,
     };
 }
 
@@ -666,14 +687,17 @@ impl Mode {
 struct Gathering;
 
 impl Gathering {
-    /// Gathers when `gathered`, and keeps the counters of the sessions `batch`'s writes
-    /// are for ([`counters`]); otherwise rows go in at once and counters move in the
-    /// table, as after every attempt.
-    fn start(connection: &Conn, batch: &[Job], gathered: bool) -> Self {
-        if gathered {
+    /// Gathers as `mode` says: the event rows, and the counters of the sessions
+    /// `batch`'s writes are for ([`counters`]); otherwise rows go in at once and counters
+    /// move in the table, as after every attempt.
+    fn start(connection: &Conn, batch: &[Job], mode: Mode) -> Self {
+        if mode.gathered {
             rows::gather();
-            let sessions: Vec<SessionId> = batch.iter().filter_map(|job| job.session()).collect();
-            counters::keep(connection, &sessions);
+            if mode.kept {
+                let sessions: Vec<SessionId> =
+                    batch.iter().filter_map(|job| job.session()).collect();
+                counters::keep(connection, &sessions);
+            }
         }
         Self
     }
@@ -704,7 +728,7 @@ fn attempt_batch(
         return Attempt::NotBegun(format!("could not begin a transaction: {e}"));
     }
     conflicts.take();
-    let _gathering = Gathering::start(connection, batch, mode.gathered);
+    let _gathering = Gathering::start(connection, batch, mode);
     let savepoints = mode.savepoints;
 
     for (index, job) in batch.iter_mut().enumerate() {
@@ -726,6 +750,10 @@ fn attempt_batch(
             rollback_all(connection);
             return Attempt::WriteFailed;
         }
+    }
+    if rows::undone() || counters::undone() {
+        rollback_all(connection);
+        return Attempt::Undone;
     }
     if mode.gathered
         && let Err(e) = Gathering::flush(connection)

@@ -41,6 +41,7 @@ backend_tests!(
     a_failing_write_in_a_shared_transaction_undoes_only_itself,
     the_count_of_sessions_not_deleted_follows_creations_and_deletions,
     a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_numbered,
+    a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_counter_right,
 );
 
 /// `session_count`, which `GET /metrics` reads instead of counting the sessions, is kept
@@ -437,43 +438,12 @@ async fn a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_n
     db: TestDb,
 ) {
     use keel_core::event::{log, view};
-    use std::sync::mpsc;
-    use std::time::Duration;
-
-    // One writer, so that every write below goes to the same one.
-    let store = Store::open(
-        db.url.clone(),
-        keel_core::store::Options {
-            pg_writers: 1,
-            ..db.options()
-        },
-    )
-    .await
-    .unwrap();
+    let store = one_writer(&db).await;
     let [a, b, c]: [SessionId; 3] = new_sessions(&store, 3).await.try_into().unwrap();
     let d = SessionId::new();
     db.clock.advance(7);
     let now = T0 + 7;
-
-    // The first write holds the writer until every other one is queued behind it, so
-    // that they all share the next batch.
-    let (started, running) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
-    let released = std::sync::Mutex::new(released);
-    let hold = store.write_for(a, move |_| {
-        let _ = started.send(());
-        let _ = released
-            .lock()
-            .unwrap()
-            .recv_timeout(Duration::from_secs(10));
-        Ok::<_, Error>(())
-    });
-    let mut hold = std::pin::pin!(hold);
-    assert!(futures::poll!(&mut hold).is_pending());
-    tokio::task::spawn_blocking(move || running.recv_timeout(Duration::from_secs(10)))
-        .await
-        .unwrap()
-        .expect("the holding write runs");
+    let (hold, release) = hold_writer(&store).await;
     let (batches_before, writes_before) = store.stats();
 
     let append = |session: SessionId, events: Vec<DurableEvent>| {
@@ -563,3 +533,152 @@ async fn a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_n
     let next = store.append(a, vec![renamed("a6")]).await.unwrap();
     assert_eq!(seqs(next), vec![7]);
 }
+
+/// Writes that append or read inside a savepoint of their own (as an admission does,
+/// falling back to what another node admitted when its append fails), in a batch of
+/// writes for several sessions: whatever the savepoint rolls back, every session's log
+/// holds exactly the events that were not rolled back, its counter is its last seq at
+/// the commit, and the next appends go on from it. This is where what the batch gathers
+/// for its end (event rows, see `event::rows`; on PostgreSQL counters, see
+/// `event::counters`) must not outlive a rolled back savepoint: the first append of the
+/// batch in one, an append in one to a session the batch had appended to already, a read
+/// of the log in one after appends the batch had gathered.
+async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_counter_right(db: TestDb) {
+    use keel_core::event::log;
+    use keel_core::store::Conn;
+
+    let store = one_writer(&db).await;
+    let [a, b, c]: [SessionId; 3] = new_sessions(&store, 3).await.try_into().unwrap();
+
+    // Appends in a savepoint, rolled back (its write goes on) unless `keep`.
+    let in_savepoint = |session: SessionId, title: &'static str, keep: bool| {
+        move |c: &mut Conn| {
+            let appended = diesel::Connection::transaction::<_, Error, _>(c, |c| {
+                let appended = log::append(c, T0, session, vec![renamed(title)])?;
+                if keep {
+                    Ok(appended)
+                } else {
+                    Err(diesel::result::Error::RollbackTransaction.into())
+                }
+            });
+            Ok::<_, Error>(appended.ok().map(|events| events[0].seq))
+        }
+    };
+    let plain = |session: SessionId, title: &'static str| {
+        move |c: &mut Conn| {
+            let appended = log::append(c, T0, session, vec![renamed(title)])?;
+            Ok::<_, Error>(Some(appended[0].seq))
+        }
+    };
+    let logs = || async {
+        let mut logs = Vec::new();
+        for session in [a, b, c] {
+            let log = store.read_log(session, 0, 100).await.unwrap();
+            let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+            let counted = store.last_seq(session).await.unwrap().unwrap();
+            logs.push((seqs, counted));
+        }
+        logs
+    };
+    let upto = |last: u64| ((1..=last).collect::<Vec<u64>>(), last);
+
+    // The batch's first append, in a savepoint rolled back; then another session's.
+    let (hold, release) = hold_writer(&store).await;
+    let mut writes = Box::pin(async {
+        tokio::join!(
+            store.write_for(b, in_savepoint(b, "b undone", false)),
+            store.write_for(a, plain(a, "a1")),
+        )
+    });
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    let (b_undone, a1) = writes.await;
+    assert_eq!((b_undone.unwrap(), a1.unwrap()), (None, Some(2)));
+    assert_eq!(logs().await, vec![upto(2), upto(1), upto(1)]);
+
+    // A session appended to by the batch, then appended to in a savepoint rolled back; a
+    // savepoint kept.
+    let (hold, release) = hold_writer(&store).await;
+    let mut writes = Box::pin(async {
+        tokio::join!(
+            store.write_for(a, plain(a, "a2")),
+            store.write_for(a, in_savepoint(a, "a undone", false)),
+            store.write_for(c, in_savepoint(c, "c1", true)),
+        )
+    });
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    let (a2, a_undone, c1) = writes.await;
+    assert_eq!((a2.unwrap(), a_undone.unwrap()), (Some(3), None));
+    assert_eq!(c1.unwrap(), Some(2));
+    assert_eq!(logs().await, vec![upto(3), upto(1), upto(2)]);
+
+    // A read of the log in a savepoint rolled back, after the batch appended.
+    let (hold, release) = hold_writer(&store).await;
+    let mut writes = Box::pin(async {
+        tokio::join!(
+            store.write_for(c, plain(c, "c2")),
+            store.write_for(c, move |conn: &mut Conn| {
+                let read = diesel::Connection::transaction::<(), Error, _>(conn, |conn| {
+                    let read = log::read(conn, c, 0, 100)?;
+                    let seqs: Vec<u64> = read.iter().map(|e| e.seq).collect();
+                    Err(Error::Corrupt(format!("read {seqs:?}")))
+                });
+                Ok::<_, Error>(read.unwrap_err().to_string())
+            }),
+            store.write_for(a, plain(a, "a3")),
+        )
+    });
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    let (c2, c_read, a3) = writes.await;
+    assert_eq!((c2.unwrap(), a3.unwrap()), (Some(3), Some(4)));
+    assert!(c_read.unwrap().contains("read [1, 2, 3]"));
+    assert_eq!(logs().await, vec![upto(4), upto(1), upto(3)]);
+
+    // The next appends go on from the counters.
+    for (session, last) in [(a, 4), (b, 1), (c, 3)] {
+        let next = store.append(session, vec![renamed("next")]).await.unwrap();
+        assert_eq!(next[0].seq, last + 1, "{session}");
+    }
+}
+
+/// A store with one writer, so that every write goes to the same one.
+async fn one_writer(db: &TestDb) -> Store {
+    let options = keel_core::store::Options {
+        pg_writers: 1,
+        ..db.options()
+    };
+    Store::open(db.url.clone(), options).await.unwrap()
+}
+
+/// A write that holds `store`'s (only) writer until the sender returned is sent to, so
+/// that the writes queued meanwhile share the next batch; it is running on return.
+async fn hold_writer(store: &Store) -> (Held<'_>, std::sync::mpsc::Sender<()>) {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let (started, running) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let mut hold: Held<'_> = Box::pin(store.write(move |_| {
+        let _ = started.send(());
+        let _ = released
+            .lock()
+            .unwrap()
+            .recv_timeout(Duration::from_secs(10));
+        Ok::<_, Error>(())
+    }));
+    assert!(futures::poll!(&mut hold).is_pending());
+    tokio::task::spawn_blocking(move || running.recv_timeout(Duration::from_secs(10)))
+        .await
+        .unwrap()
+        .expect("the holding write runs");
+    (hold, release)
+}
+
+/// The write [`hold_writer`] holds the writer with.
+type Held<'a> = std::pin::Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'a>>;
