@@ -190,6 +190,12 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
 
 /// Writes the counters moved since the last flush to the table; they stay kept.
 pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
+    write_back(connection, None)
+}
+
+/// Writes the kept counters that moved since they were last written (only session
+/// `only`'s, when given) to the table.
+fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
     let Conn::Pg(_) = connection else {
         return Ok(());
     };
@@ -197,6 +203,9 @@ pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
         let mut moved = Moved::default();
         if let Some(Kept::Locked(counters)) = kept.borrow_mut().as_mut() {
             for (id, counter) in counters {
+                if only.is_some_and(|only| only != id) {
+                    continue;
+                }
                 if let Some(time) = counter.moved_at.take() {
                     moved.ids.push(id.clone());
                     moved.last_seqs.push(counter.last_seq);
@@ -226,7 +235,9 @@ pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
 }
 
 /// Writes session `id`'s kept counter to the table if it moved, and keeps it no more:
-/// for a change of the counter or of the session's liveness made in the table itself.
+/// for a change of the counter or of the session's liveness made in the table itself,
+/// and for an append inside a savepoint. The other sessions' counters stay as they are,
+/// so that a savepoint appending to a session the batch has not moved costs nothing more.
 pub(crate) fn forget(connection: &mut Conn, id: &str) -> QueryResult<()> {
     let locked = KEPT.with(|kept| {
         matches!(kept.borrow().as_ref(), Some(Kept::Locked(counters)) if counters.contains_key(id))
@@ -235,7 +246,7 @@ pub(crate) fn forget(connection: &mut Conn, id: &str) -> QueryResult<()> {
         // Not locked yet, the lock will read what the table says by then.
         return Ok(());
     }
-    flush(connection)?;
+    write_back(connection, Some(id))?;
     KEPT.with(|kept| {
         if let Some(Kept::Locked(counters)) = kept.borrow_mut().as_mut() {
             counters.remove(id);

@@ -41,7 +41,7 @@ backend_tests!(
     a_failing_write_in_a_shared_transaction_undoes_only_itself,
     the_count_of_sessions_not_deleted_follows_creations_and_deletions,
     a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_numbered,
-    a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_counter_right,
+    a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter_right,
 );
 
 /// `session_count`, which `GET /metrics` reads instead of counting the sessions, is kept
@@ -543,7 +543,7 @@ async fn a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_n
 /// `event::counters`) must not outlive a rolled back savepoint: the first append of the
 /// batch in one, an append in one to a session the batch had appended to already, a read
 /// of the log in one after appends the batch had gathered.
-async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_counter_right(db: TestDb) {
+async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter_right(db: TestDb) {
     use keel_core::event::log;
     use keel_core::store::Conn;
 
@@ -597,23 +597,46 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_counter_right(d
     assert_eq!((b_undone.unwrap(), a1.unwrap()), (None, Some(2)));
     assert_eq!(logs().await, vec![upto(2), upto(1), upto(1)]);
 
-    // A session appended to by the batch, then appended to in a savepoint rolled back; a
-    // savepoint kept.
+    // A session appended to by the batch, then appended to in a savepoint rolled back.
     let (hold, release) = hold_writer(&store).await;
     let mut writes = Box::pin(async {
         tokio::join!(
             store.write_for(a, plain(a, "a2")),
             store.write_for(a, in_savepoint(a, "a undone", false)),
+            // Names a second session, so that the batch keeps counters.
+            store.write_for(b, |_: &mut Conn| Ok::<Option<u64>, Error>(None)),
+        )
+    });
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    let (a2, a_undone, nothing) = writes.await;
+    assert_eq!((a2.unwrap(), a_undone.unwrap()), (Some(3), None));
+    assert_eq!(nothing.unwrap(), None);
+    assert_eq!(logs().await, vec![upto(3), upto(1), upto(1)]);
+
+    // A savepoint kept, appending to a session the batch has not appended to: the batch
+    // runs once (what it kept of other sessions stays kept).
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (hold, release) = hold_writer(&store).await;
+    let mut writes = Box::pin(async {
+        let runs = runs.clone();
+        let a3 = plain(a, "a3");
+        tokio::join!(
+            store.write_for(a, move |conn: &mut Conn| {
+                runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                a3(conn)
+            }),
             store.write_for(c, in_savepoint(c, "c1", true)),
         )
     });
     assert!(futures::poll!(&mut writes).is_pending());
     release.send(()).unwrap();
     hold.await.unwrap();
-    let (a2, a_undone, c1) = writes.await;
-    assert_eq!((a2.unwrap(), a_undone.unwrap()), (Some(3), None));
-    assert_eq!(c1.unwrap(), Some(2));
-    assert_eq!(logs().await, vec![upto(3), upto(1), upto(2)]);
+    let (a3, c1) = writes.await;
+    assert_eq!((a3.unwrap(), c1.unwrap()), (Some(4), Some(2)));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(logs().await, vec![upto(4), upto(1), upto(2)]);
 
     // A read of the log in a savepoint rolled back, after the batch appended.
     let (hold, release) = hold_writer(&store).await;
@@ -628,19 +651,19 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_counter_right(d
                 });
                 Ok::<_, Error>(read.unwrap_err().to_string())
             }),
-            store.write_for(a, plain(a, "a3")),
+            store.write_for(a, plain(a, "a4")),
         )
     });
     assert!(futures::poll!(&mut writes).is_pending());
     release.send(()).unwrap();
     hold.await.unwrap();
-    let (c2, c_read, a3) = writes.await;
-    assert_eq!((c2.unwrap(), a3.unwrap()), (Some(3), Some(4)));
+    let (c2, c_read, a4) = writes.await;
+    assert_eq!((c2.unwrap(), a4.unwrap()), (Some(3), Some(5)));
     assert!(c_read.unwrap().contains("read [1, 2, 3]"));
-    assert_eq!(logs().await, vec![upto(4), upto(1), upto(3)]);
+    assert_eq!(logs().await, vec![upto(5), upto(1), upto(3)]);
 
     // The next appends go on from the counters.
-    for (session, last) in [(a, 4), (b, 1), (c, 3)] {
+    for (session, last) in [(a, 5), (b, 1), (c, 3)] {
         let next = store.append(session, vec![renamed("next")]).await.unwrap();
         assert_eq!(next[0].seq, last + 1, "{session}");
     }
