@@ -5,13 +5,13 @@
 //! is what serializes a session's appends across nodes, by its row lock. While the writer
 //! runs a batch of writes for several sessions plainly, it keeps the counters of the
 //! sessions they were submitted for ([`Store::write_for`]) here, on its thread, instead
-//! ([`keep`]): the first append to one of them locks them all with one statement
-//! (`SELECT … FOR NO KEY UPDATE`, the lock an `UPDATE` takes, in the order of their ids),
-//! each append to one of them then moves its counter in memory, whichever write makes it
-//! ([`advance`]), and one statement writes the moved counters back before the batch
-//! commits ([`flush`]). A batch of n sessions' appends makes two round trips for its
-//! counters instead of n or more. Any other session (not named, or created after the
-//! lock) is counted in the table as before.
+//! ([`keep`]): the first append to one of them outside a savepoint locks them all with
+//! one statement (`SELECT … FOR NO KEY UPDATE`, the lock an `UPDATE` takes, in the order
+//! of their ids), each append to one of them then moves its counter in memory, whichever
+//! write makes it ([`advance`]), and one statement writes the moved counters back before
+//! the batch commits ([`flush`]). A batch of n sessions' appends makes two round trips
+//! for its counters instead of n or more. Any other session (not named, created after
+//! the lock, or forgotten, below) is counted in the table as before.
 //!
 //! The table's counters are stale until then, so whatever reads `session`'s counter or
 //! update time on a connection that may be the writer's flushes first (the log's
@@ -19,15 +19,17 @@
 //! whatever else changes them forgets the kept counter ([`forget`]): the import's own
 //! numbering, and a deletion, after which the session takes no more events. A batch that
 //! fails in any way is rolled back and what it kept dropped with it ([`stop`]); it runs
-//! again keeping them afresh, or not at all (after a failed write, each write in its
-//! savepoint counts in the table).
+//! again keeping them afresh after a conflict, or keeping nothing (after a failed write,
+//! refused rows or counters, or [`undone`]).
 //!
 //! A write's own savepoint (a nested transaction) may be rolled back while the batch goes
 //! on, which would release locks taken in it and undo a write-back made in it, but not
 //! what is kept here. So nothing is locked or moved in memory inside one: an append there
-//! moves its counter in the table, after forgetting the kept one; and should a write-back
-//! happen inside one, the batch cannot commit what it kept ([`undone`]): the writer rolls
-//! it back and runs it again keeping nothing.
+//! moves its counter in the table, after forgetting the kept one (writing it back if the
+//! batch had moved it); and should a write-back happen inside one (that one, or a read's),
+//! or fail there, the batch cannot commit what it kept ([`undone`]): the writer rolls it
+//! back and runs it again keeping nothing. An admission appends in a savepoint, so a
+//! batch where a session's runner appended before its admission runs twice.
 //!
 //! SQLite keeps nothing here: its statements cost no round trip, and a batch's counter
 //! update and lookup cost it about what keeping them would.
@@ -60,7 +62,7 @@ enum Kept {
     /// appended to.
     Named(Vec<String>),
     /// Their counters, the sessions locked; a session deleted before the lock is not
-    /// among them.
+    /// among them, nor one forgotten since ([`forget`]).
     Locked(HashMap<String, Counter>),
 }
 
@@ -228,8 +230,11 @@ fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
     };
     let written = moved.execute(pg);
     if written.is_err() {
-        // Not in the table, and the transaction doomed: nothing more is kept for it.
+        // Not in the table, and nothing more is kept for it. At the top the transaction
+        // is doomed; inside a savepoint it is not, and a write that swallowed the error
+        // would let the batch commit without the counters: it cannot.
         stop();
+        UNDONE.with(|undone| undone.set(true));
     }
     written.map(drop)
 }

@@ -96,6 +96,17 @@ pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
         // Rolling the savepoint back would undo these rows, and nothing here would know.
         UNDONE.with(|undone| undone.set(true));
     }
+    let inserted = insert_all(connection, &rows);
+    if inserted.is_err() {
+        // The rows are no longer kept here: should the write swallow the error (SQLite's
+        // transaction goes on after a failed statement), the batch must not commit.
+        UNDONE.with(|undone| undone.set(true));
+    }
+    inserted
+}
+
+/// Inserts `rows`, a statement per [`CHUNK`].
+fn insert_all(connection: &mut Conn, rows: &[Row]) -> QueryResult<()> {
     for chunk in rows.chunks(CHUNK) {
         match chunk {
             [] => {}

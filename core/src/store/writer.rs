@@ -35,6 +35,12 @@
 //! a write is a closure that may run more than once (`FnMut`): it must do nothing but its
 //! statements.
 //!
+//! Any failed statement ends a PostgreSQL transaction, whose `COMMIT` then rolls back
+//! without an error; a write that goes on past one outside a savepoint of its own would
+//! have its whole batch told it committed. So after a failed statement in a plain batch
+//! the writer asks once whether the transaction can still commit ([`can_commit`]), and
+//! if not runs the batch again with savepoints, where that write fails alone.
+//!
 //! A write may also be deferred ([`super::deferred`]): a batch of nothing but deferred
 //! writes commits without waiting for the disk, and its callers hear when it gets there,
 //! with the next synced commit that writes anything or when the log is synced after a
@@ -556,6 +562,10 @@ enum Attempt {
     /// The gathered event rows (or kept counters) were refused and the transaction was
     /// rolled back: the batch runs again inserting each row with its write.
     FlushFailed(String),
+    /// A write went on past a statement that failed outside any savepoint, which ended
+    /// the transaction on PostgreSQL, and it was rolled back: the batch runs again with
+    /// savepoints.
+    Aborted,
     /// A write's savepoint may have undone event rows or counters the batch had gathered
     /// and written in it, and the transaction was rolled back: the batch runs again
     /// gathering and keeping none.
@@ -596,7 +606,18 @@ fn run_batch(
                     kept: false,
                 };
             }
+            Attempt::Aborted => {
+                tracing::warn!(
+                    writes = batch.len(),
+                    "a write went on past a failed statement, which ended the transaction; running the batch again with savepoints"
+                );
+                mode = Mode::CAREFUL;
+            }
             Attempt::Undone => {
+                tracing::debug!(
+                    writes = batch.len(),
+                    "a savepoint inside a write may have undone what the batch gathered; running it again gathering nothing"
+                );
                 mode = Mode {
                     gathered: false,
                     kept: false,
@@ -643,7 +664,7 @@ fn run_batch(
             }
             return Ran::Carry(rest);
         }
-        Attempt::NotBegun(_) | Attempt::FlushFailed(_) | Attempt::Undone => {
+        Attempt::NotBegun(_) | Attempt::FlushFailed(_) | Attempt::Undone | Attempt::Aborted => {
             unreachable!("handled above")
         }
     };
@@ -728,6 +749,11 @@ fn attempt_batch(
         return Attempt::NotBegun(format!("could not begin a transaction: {e}"));
     }
     conflicts.take();
+    conflicts.take_failed();
+    // The writer's own savepoints are raw statements diesel does not count
+    // (`store::is_in_savepoint` would not see them), so a mode that uses them gathers
+    // nothing.
+    debug_assert!(!(mode.savepoints && mode.gathered));
     let _gathering = Gathering::start(connection, batch, mode);
     let savepoints = mode.savepoints;
 
@@ -750,6 +776,12 @@ fn attempt_batch(
             rollback_all(connection);
             return Attempt::WriteFailed;
         }
+    }
+    if !savepoints && conflicts.take_failed() && !can_commit(connection) {
+        // A write went on past a failed statement: which one cannot be told, so each
+        // runs again in a savepoint of its own, whose release fails where it did.
+        rollback_all(connection);
+        return Attempt::Aborted;
     }
     if rows::undone() || counters::undone() {
         rollback_all(connection);
@@ -881,38 +913,73 @@ pub(super) fn is_conflict(error: &diesel::result::Error) -> bool {
 }
 
 /// Remembers, for the writer, that a statement on its connection failed with a conflict
-/// ([`is_conflict`]): a write may turn the database's error into its own, so the writer
-/// learns of it from the connection, not from the write's result.
+/// ([`is_conflict`]), or failed at all: a write may turn the database's error into its
+/// own, or go on past it, so the writer learns of it from the connection, not from the
+/// write's result.
 #[derive(Clone, Default)]
-struct Conflicts(Arc<AtomicBool>);
+struct Conflicts {
+    conflicted: Arc<AtomicBool>,
+    failed: Arc<AtomicBool>,
+}
 
 impl Conflicts {
     /// Watches `connection`'s statements (PostgreSQL only: SQLite's single writer never
-    /// conflicts).
+    /// conflicts, and a failed statement does not end its transaction).
     fn watch(&self, connection: &mut Conn) {
         if let Conn::Pg(c) = connection {
-            c.set_instrumentation(ConflictWatch(self.0.clone()));
+            c.set_instrumentation(ConflictWatch {
+                conflicted: self.conflicted.clone(),
+                failed: self.failed.clone(),
+            });
         }
     }
 
     /// Whether a conflict happened since the last call.
     fn take(&self) -> bool {
-        self.0.swap(false, Ordering::Relaxed)
+        self.conflicted.swap(false, Ordering::Relaxed)
+    }
+
+    /// Whether a statement failed since the last call.
+    fn take_failed(&self) -> bool {
+        self.failed.swap(false, Ordering::Relaxed)
     }
 }
 
-struct ConflictWatch(Arc<AtomicBool>);
+struct ConflictWatch {
+    conflicted: Arc<AtomicBool>,
+    failed: Arc<AtomicBool>,
+}
 
 impl Instrumentation for ConflictWatch {
     fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
         if let InstrumentationEvent::FinishQuery {
             error: Some(error), ..
         } = event
-            && is_conflict(error)
         {
-            self.0.store(true, Ordering::Relaxed);
+            self.failed.store(true, Ordering::Relaxed);
+            if is_conflict(error) {
+                self.conflicted.store(true, Ordering::Relaxed);
+            }
         }
     }
+}
+
+/// Whether the batch's transaction on PostgreSQL can still commit. A failed statement
+/// there ends it (every later statement is refused, and `COMMIT` answers by rolling
+/// back, without an error diesel would see); a write that went on past a failed
+/// statement outside a savepoint of its own would otherwise have every write of its batch
+/// told it committed. Asked only when a statement failed: it costs a round trip.
+fn can_commit(connection: &mut Conn) -> bool {
+    match connection {
+        Conn::Sqlite(_) => true,
+        Conn::Pg(_) => Probe.execute(connection).is_ok(),
+    }
+}
+
+fixed_query! {
+    /// A statement that fails only in a transaction that has already failed.
+    struct Probe;
+    sql "SELECT 1"
 }
 
 fn rollback_all(connection: &mut Conn) {
@@ -1003,7 +1070,7 @@ mod tests {
         let (job, outcome) = pending(move |c| {
             diesel::sql_query(format!("INSERT INTO t (x) VALUES ({x})")).execute(c)?;
             if counted.fetch_add(1, Ordering::SeqCst) < conflicting {
-                conflicts.0.store(true, Ordering::SeqCst);
+                conflicts.conflicted.store(true, Ordering::SeqCst);
             }
             Ok(())
         });

@@ -42,6 +42,8 @@ backend_tests!(
     the_count_of_sessions_not_deleted_follows_creations_and_deletions,
     a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_numbered,
     a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter_right,
+    a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_without_them,
+    a_write_going_on_past_a_failed_statement_loses_no_other_write,
 );
 
 /// `session_count`, which `GET /metrics` reads instead of counting the sessions, is kept
@@ -583,6 +585,7 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
     let upto = |last: u64| ((1..=last).collect::<Vec<u64>>(), last);
 
     // The batch's first append, in a savepoint rolled back; then another session's.
+    let before = store.stats();
     let (hold, release) = hold_writer(&store).await;
     let mut writes = Box::pin(async {
         tokio::join!(
@@ -594,10 +597,12 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
     release.send(()).unwrap();
     hold.await.unwrap();
     let (b_undone, a1) = writes.await;
+    one_batch(&store, before, 2);
     assert_eq!((b_undone.unwrap(), a1.unwrap()), (None, Some(2)));
     assert_eq!(logs().await, vec![upto(2), upto(1), upto(1)]);
 
     // A session appended to by the batch, then appended to in a savepoint rolled back.
+    let before = store.stats();
     let (hold, release) = hold_writer(&store).await;
     let mut writes = Box::pin(async {
         tokio::join!(
@@ -611,6 +616,7 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
     release.send(()).unwrap();
     hold.await.unwrap();
     let (a2, a_undone, nothing) = writes.await;
+    one_batch(&store, before, 3);
     assert_eq!((a2.unwrap(), a_undone.unwrap()), (Some(3), None));
     assert_eq!(nothing.unwrap(), None);
     assert_eq!(logs().await, vec![upto(3), upto(1), upto(1)]);
@@ -618,6 +624,7 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
     // A savepoint kept, appending to a session the batch has not appended to: the batch
     // runs once (what it kept of other sessions stays kept).
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let before = store.stats();
     let (hold, release) = hold_writer(&store).await;
     let mut writes = Box::pin(async {
         let runs = runs.clone();
@@ -634,11 +641,13 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
     release.send(()).unwrap();
     hold.await.unwrap();
     let (a3, c1) = writes.await;
+    one_batch(&store, before, 2);
     assert_eq!((a3.unwrap(), c1.unwrap()), (Some(4), Some(2)));
     assert_eq!(runs.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert_eq!(logs().await, vec![upto(4), upto(1), upto(2)]);
 
     // A read of the log in a savepoint rolled back, after the batch appended.
+    let before = store.stats();
     let (hold, release) = hold_writer(&store).await;
     let mut writes = Box::pin(async {
         tokio::join!(
@@ -658,6 +667,7 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
     release.send(()).unwrap();
     hold.await.unwrap();
     let (c2, c_read, a4) = writes.await;
+    one_batch(&store, before, 3);
     assert_eq!((c2.unwrap(), a4.unwrap()), (Some(3), Some(5)));
     assert!(c_read.unwrap().contains("read [1, 2, 3]"));
     assert_eq!(logs().await, vec![upto(5), upto(1), upto(3)]);
@@ -667,6 +677,115 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
         let next = store.append(session, vec![renamed("next")]).await.unwrap();
         assert_eq!(next[0].seq, last + 1, "{session}");
     }
+}
+
+/// A read of the log inserts the rows its batch gathered; should the database refuse
+/// them there and the reading write go on regardless (as SQLite lets it), the batch must
+/// not commit without them: it runs again, each row inserted as it is appended, and the
+/// write that broke the log fails alone.
+async fn a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_without_them(
+    db: TestDb,
+) {
+    use keel_core::event::log;
+    use keel_core::store::Conn;
+
+    let store = one_writer(&db).await;
+    let session = new_session(&store).await;
+    let before = store.stats();
+    let (hold, release) = hold_writer(&store).await;
+    let mut writes = Box::pin(async {
+        tokio::join!(
+            store.append(session, vec![renamed("appended")]),
+            // Takes the appended event's seq with a row of its own, then reads the log
+            // (inserting the gathered row, refused) and ignores the refusal.
+            store.write_for(session, move |c: &mut Conn| {
+                diesel::sql_query(format!(
+                    "INSERT INTO event (session_id, seq, id, type, version, data, time) \
+                     VALUES ('{session}', 2, 'evt_taken', 'session.next.renamed', 1, \
+                     '{{\"title\": \"taken\"}}', 0)"
+                ))
+                .execute(c)?;
+                let read = log::read(c, session, 0, 100).map(|events| events.len());
+                Ok::<_, Error>(read.is_err())
+            }),
+        )
+    });
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    let (appended, taking) = writes.await;
+    one_batch(&store, before, 2);
+    assert_eq!(appended.unwrap()[0].seq, 2);
+    assert!(
+        taking.is_err(),
+        "the write taking the seq fails: {taking:?}"
+    );
+    let titles: Vec<String> = store
+        .read_log(session, 0, 100)
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|e| match &e.event {
+            DurableEvent::Renamed(r) => Some(r.title.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(titles, vec!["appended".to_owned()]);
+    assert_eq!(store.last_seq(session).await.unwrap(), Some(2));
+}
+
+/// A write that goes on past a statement the database refused, outside any savepoint of
+/// its own (which the style forbids, but a write may do): on PostgreSQL that statement
+/// ended the transaction, whose `COMMIT` then rolls back without an error. The other
+/// writes of its batch are not lost for it: what each was told committed is in the log.
+async fn a_write_going_on_past_a_failed_statement_loses_no_other_write(db: TestDb) {
+    use keel_core::store::Conn;
+
+    let store = one_writer(&db).await;
+    let [a, b]: [SessionId; 2] = new_sessions(&store, 2).await.try_into().unwrap();
+    let before = store.stats();
+    let (hold, release) = hold_writer(&store).await;
+    let mut writes = Box::pin(async {
+        tokio::join!(
+            store.append(a, vec![renamed("a1")]),
+            // Reads the log and the counter, so that nothing gathered or kept is left to
+            // write at the end (its refusal would have told).
+            store.write_for(b, move |c: &mut Conn| {
+                let appended = keel_core::event::log::append(c, T0, b, vec![renamed("b1")])?;
+                keel_core::event::log::read(c, b, 0, 100)?;
+                keel_core::event::log::last_seq(c, b)?;
+                Ok::<_, Error>(appended)
+            }),
+            // Last, so that no later write meets the ended transaction.
+            store.write_for(b, |c: &mut Conn| {
+                let refused = diesel::sql_query("SELECT * FROM no_such_table").execute(c);
+                Ok::<_, Error>(refused.is_err())
+            }),
+        )
+    });
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    let (a1, b1, going_on) = writes.await;
+    one_batch(&store, before, 3);
+    // On PostgreSQL the write that went on fails (its savepoint cannot be released);
+    // on SQLite the refused statement ended nothing, and it commits.
+    if let Ok(refused) = going_on {
+        assert!(refused);
+    }
+    for (session, appended) in [(a, a1), (b, b1)] {
+        let appended = appended.unwrap();
+        let log = store.read_log(session, 0, 100).await.unwrap();
+        assert_eq!(log.last(), appended.last(), "{session}");
+        assert_eq!(store.last_seq(session).await.unwrap(), Some(2));
+    }
+}
+
+/// Checks that the `writes` writes since `before` (the stats then, before the writer was
+/// held) all ran in one batch, after the holding write's.
+fn one_batch(store: &Store, before: (u64, u64), writes: u64) {
+    let (batches, written) = store.stats();
+    assert_eq!((batches - before.0, written - before.1), (2, writes + 1));
 }
 
 /// A store with one writer, so that every write goes to the same one.
