@@ -102,9 +102,10 @@ pub(crate) fn undone() -> bool {
 }
 
 /// Moves the kept counter of session `id` on by `by` at time `now` and returns its new
-/// value, or `Ok(None)` when this thread keeps no counter for it. The first append to a
-/// session the batch's writes named locks all of them, with one statement, in the order
-/// of their ids, so two nodes' batches never wait for each other in a cycle there.
+/// value, or `Ok(None)` when this thread keeps no counter for it. The first append
+/// outside a savepoint to a session the batch's writes named locks all of them, with one
+/// statement, in the order of their ids, so two nodes' batches never wait for each other
+/// in a cycle there.
 ///
 /// Inside a savepoint (a write's own nested transaction) nothing is locked or moved in
 /// memory, since rolling the savepoint back would release the locks and leave the moves:
