@@ -134,11 +134,16 @@ impl ManageConnection for Manager {
 /// batch goes on, so what the writer's thread gathers for the batch's end must not be
 /// done or kept there.
 pub(crate) fn is_in_savepoint(connection: &mut Conn) -> diesel::QueryResult<bool> {
+    Ok(transaction_depth(connection)?.is_some_and(|depth| depth.get() > 1))
+}
+
+/// How deep in transactions diesel's manager counts `connection` (`None`: in none).
+pub(super) fn transaction_depth(
+    connection: &mut Conn,
+) -> diesel::QueryResult<Option<std::num::NonZeroU32>> {
     use diesel::connection::TransactionManager;
-    let depth =
-        <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection)
-            .transaction_depth()?;
-    Ok(depth.is_some_and(|depth| depth.get() > 1))
+    <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection)
+        .transaction_depth()
 }
 
 /// Loads at most `at_most` rows of `query`.

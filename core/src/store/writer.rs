@@ -59,7 +59,7 @@ use futures::FutureExt;
 use keel_schema::id::SessionId;
 use tokio::sync::{mpsc, oneshot};
 
-use super::conn::Settings;
+use super::conn::{Settings, transaction_depth};
 use super::deferred::{Durable, Horizon, SyncWaiter, Unsynced};
 use super::fixed::fixed_query;
 use super::{Conn, Error, Failpoint, Stats};
@@ -831,7 +831,7 @@ fn attempt_batch(
 fn begin(connection: &mut Conn) -> diesel::QueryResult<()> {
     match connection {
         Conn::Sqlite(_) => {
-            if depth(connection)?.is_some() {
+            if transaction_depth(connection)?.is_some() {
                 return Err(diesel::result::Error::AlreadyInTransaction);
             }
             BeginImmediate.execute(connection)?;
@@ -846,7 +846,7 @@ fn begin(connection: &mut Conn) -> diesel::QueryResult<()> {
 fn commit(connection: &mut Conn) -> diesel::QueryResult<()> {
     match connection {
         Conn::Sqlite(_) => {
-            if depth(connection)?.map(std::num::NonZeroU32::get) != Some(1) {
+            if transaction_depth(connection)?.map(std::num::NonZeroU32::get) != Some(1) {
                 return Err(diesel::result::Error::NotInTransaction);
             }
             Commit.execute(connection)?;
@@ -854,12 +854,6 @@ fn commit(connection: &mut Conn) -> diesel::QueryResult<()> {
         }
         Conn::Pg(_) => <Conn as Connection>::TransactionManager::commit_transaction(connection),
     }
-}
-
-/// How deep in transactions diesel's manager counts the connection (`None`: in none).
-fn depth(connection: &mut Conn) -> diesel::QueryResult<Option<std::num::NonZeroU32>> {
-    <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection)
-        .transaction_depth()
 }
 
 fn change_depth(connection: &mut Conn, change: TransactionDepthChange) -> diesel::QueryResult<()> {
@@ -983,11 +977,7 @@ fixed_query! {
 }
 
 fn rollback_all(connection: &mut Conn) {
-    while matches!(
-        <Conn as Connection>::TransactionManager::transaction_manager_status_mut(connection)
-            .transaction_depth(),
-        Ok(Some(_))
-    ) {
+    while matches!(transaction_depth(connection), Ok(Some(_))) {
         if let Err(e) = <Conn as Connection>::TransactionManager::rollback_transaction(connection) {
             tracing::error!(error = %e, "rollback failed; the connection will be replaced");
             break;
