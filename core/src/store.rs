@@ -36,6 +36,7 @@ pub use conn::{Conn, Synchronous};
 pub(crate) use conn::{Direct, is_in_savepoint, load_at_most, on_backend};
 pub use deferred::Durable;
 pub use url::DbUrl;
+pub(crate) use writer::doubt_gathered;
 
 use crate::clock::{SharedClock, SystemClock};
 

@@ -20,23 +20,23 @@
 //! numbering, and a deletion, after which the session takes no more events. A batch that
 //! fails in any way is rolled back and what it kept dropped with it ([`stop`]); it runs
 //! again keeping them afresh after a conflict, or keeping nothing (after a failed write,
-//! refused rows or counters, or [`undone`]).
+//! refused rows or counters, or [`doubt_gathered`]).
 //!
 //! A write's own savepoint (a nested transaction) may be rolled back while the batch goes
 //! on, which would release locks taken in it and undo a write-back made in it, but not
 //! what is kept here. So nothing is locked or moved in memory inside one: an append there
 //! moves its counter in the table, after forgetting the kept one (writing it back if the
 //! batch had moved it); and should a write-back happen inside one (that one, or a read's),
-//! or fail there, the batch cannot commit what it kept ([`undone`]): the writer rolls it
-//! back and runs it again keeping nothing. An admission appends in a savepoint, so a
-//! batch where a session's runner appended before its admission runs twice.
+//! or fail there, the batch cannot commit what it kept ([`doubt_gathered`]): the writer
+//! rolls it back and runs it again keeping nothing. An admission appends in a savepoint,
+//! so a batch where a session's runner appended before its admission runs twice.
 //!
 //! SQLite keeps nothing here: its statements cost no round trip, and a batch's counter
 //! update and lookup cost it about what keeping them would.
 //!
 //! [`Store::write_for`]: crate::store::Store::write_for
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 use diesel::pg::Pg;
@@ -45,7 +45,7 @@ use diesel::sql_types::{Array, BigInt, Text};
 use diesel::{QueryResult, RunQueryDsl};
 use keel_schema::id::SessionId;
 
-use crate::store::{Conn, is_in_savepoint};
+use crate::store::{Conn, doubt_gathered, is_in_savepoint};
 
 /// A kept session's counter.
 #[derive(Debug)]
@@ -69,8 +69,6 @@ enum Kept {
 thread_local! {
     /// What this thread keeps, while it runs a batch that keeps counters.
     static KEPT: RefCell<Option<Kept>> = const { RefCell::new(None) };
-    /// Whether a write-back ran inside a savepoint, which may have undone it since.
-    static UNDONE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Keeps the counters of `sessions` on this thread until [`stop`], locking them when the
@@ -92,13 +90,6 @@ pub(crate) fn keep(connection: &Conn, sessions: &[SessionId]) {
 /// Drops what this thread keeps, written back or not.
 pub(crate) fn stop() {
     KEPT.with(|kept| *kept.borrow_mut() = None);
-    UNDONE.with(|undone| undone.set(false));
-}
-
-/// Whether a savepoint may have undone some of what was written back: the batch cannot
-/// commit what it kept, and runs again keeping nothing.
-pub(crate) fn undone() -> bool {
-    UNDONE.with(Cell::get)
 }
 
 /// Moves the kept counter of session `id` on by `by` at time `now` and returns its new
@@ -224,7 +215,7 @@ fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
     if is_in_savepoint(connection)? {
         // Rolling the savepoint back would undo this write-back, and nothing here would
         // know: the batch cannot commit what it kept.
-        UNDONE.with(|undone| undone.set(true));
+        doubt_gathered();
     }
     let Conn::Pg(pg) = connection else {
         unreachable!("matched above")
@@ -235,7 +226,7 @@ fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
         // is doomed; inside a savepoint it is not, and a write that swallowed the error
         // would let the batch commit without the counters: it cannot.
         stop();
-        UNDONE.with(|undone| undone.set(true));
+        doubt_gathered();
     }
     written.map(drop)
 }

@@ -15,10 +15,10 @@
 //! A write's own savepoint (a nested transaction) may be rolled back while the batch goes
 //! on, which undoes what was inserted in it but not what waits here: a row appended
 //! inside one goes in at once, and should gathered rows be flushed inside one (a read of
-//! the log there), the batch cannot commit ([`undone`]): the writer rolls it back and
-//! runs it again gathering nothing.
+//! the log there), the batch cannot commit ([`doubt_gathered`]): the writer rolls it back
+//! and runs it again gathering nothing.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 
 use diesel::backend::Backend;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
@@ -27,7 +27,7 @@ use diesel::sql_types::{BigInt, HasSqlType, Integer, Text};
 use diesel::{QueryResult, RunQueryDsl};
 
 use crate::store::fixed::fixed_query;
-use crate::store::{Conn, is_in_savepoint};
+use crate::store::{Conn, doubt_gathered, is_in_savepoint};
 
 /// One row of `event`.
 #[derive(Debug, Clone)]
@@ -47,9 +47,6 @@ const CHUNK: usize = 500;
 thread_local! {
     /// The rows gathered on this thread, while it gathers.
     static GATHERED: RefCell<Option<Vec<Row>>> = const { RefCell::new(None) };
-    /// Whether gathered rows were inserted inside a savepoint, which may have undone
-    /// them since.
-    static UNDONE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Until [`stop`], rows inserted on this thread wait for [`flush`]; drops any rows
@@ -61,13 +58,6 @@ pub(crate) fn gather() {
 /// Inserts rows at once again on this thread, dropping any not flushed.
 pub(crate) fn stop() {
     GATHERED.with(|gathered| *gathered.borrow_mut() = None);
-    UNDONE.with(|undone| undone.set(false));
-}
-
-/// Whether a savepoint may have undone gathered rows inserted in it: the batch cannot
-/// commit, and runs again gathering nothing.
-pub(crate) fn undone() -> bool {
-    UNDONE.with(Cell::get)
 }
 
 /// Inserts `row`, or keeps it for [`flush`] while this thread gathers. A row appended
@@ -94,13 +84,13 @@ pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
     };
     if !rows.is_empty() && is_in_savepoint(connection)? {
         // Rolling the savepoint back would undo these rows, and nothing here would know.
-        UNDONE.with(|undone| undone.set(true));
+        doubt_gathered();
     }
     let inserted = insert_all(connection, &rows);
     if inserted.is_err() {
         // The rows are no longer kept here: should the write swallow the error (SQLite's
         // transaction goes on after a failed statement), the batch must not commit.
-        UNDONE.with(|undone| undone.set(true));
+        doubt_gathered();
     }
     inserted
 }

@@ -46,6 +46,7 @@
 //! with the next synced commit that writes anything or when the log is synced after a
 //! quiet [`flush_delay`](super::Options::flush_delay).
 
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -566,8 +567,8 @@ enum Attempt {
     /// the transaction on PostgreSQL, and it was rolled back: the batch runs again with
     /// savepoints.
     Aborted,
-    /// A write's savepoint may have undone event rows or counters the batch had gathered
-    /// and written in it, and the transaction was rolled back: the batch runs again
+    /// Event rows or counters the batch had gathered may have been undone or lost unseen
+    /// ([`doubt_gathered`]), and the transaction was rolled back: the batch runs again
     /// gathering and keeping none.
     Undone,
     /// A failpoint rolled the transaction back.
@@ -616,7 +617,7 @@ fn run_batch(
             Attempt::Undone => {
                 tracing::debug!(
                     writes = batch.len(),
-                    "a savepoint inside a write may have undone what the batch gathered; running it again gathering nothing"
+                    "what the batch gathered may have been undone or lost; running it again gathering nothing"
                 );
                 mode = Mode {
                     gathered: false,
@@ -703,6 +704,20 @@ impl Mode {
     };
 }
 
+thread_local! {
+    /// Whether something gathered for the batch running on this thread may have been
+    /// undone or lost unseen ([`doubt_gathered`]).
+    static DOUBTED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Says that what this thread gathered for its batch (event rows, kept counters) may
+/// have been undone or lost without the batch seeing it: written inside a write's own
+/// savepoint, which may be rolled back, or refused to a write that may go on. The batch
+/// then cannot commit; it runs again gathering nothing.
+pub(crate) fn doubt_gathered() {
+    DOUBTED.with(|doubted| doubted.set(true));
+}
+
 /// Ends an attempt's gathering of event rows and keeping of counters, however the
 /// attempt ends.
 struct Gathering;
@@ -734,6 +749,7 @@ impl Drop for Gathering {
     fn drop(&mut self) {
         rows::stop();
         counters::stop();
+        DOUBTED.with(|doubted| doubted.set(false));
     }
 }
 
@@ -783,7 +799,7 @@ fn attempt_batch(
         rollback_all(connection);
         return Attempt::Aborted;
     }
-    if rows::undone() || counters::undone() {
+    if DOUBTED.with(Cell::get) {
         rollback_all(connection);
         return Attempt::Undone;
     }
