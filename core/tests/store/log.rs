@@ -445,61 +445,54 @@ async fn a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_n
     let d = SessionId::new();
     db.clock.advance(7);
     let now = T0 + 7;
-    let (hold, release) = hold_writer(&store).await;
-    let (batches_before, writes_before) = store.stats();
+    let before = store.stats();
 
     let append = |session: SessionId, events: Vec<DurableEvent>| {
         move |c: &mut keel_core::store::Conn| log::append(c, now, session, events.clone())
     };
     let seqs = |events: Vec<Envelope>| events.iter().map(|e| e.seq).collect::<Vec<u64>>();
-    let mut writes = Box::pin(async {
-        tokio::join!(
-            // Named for `a`, twice.
-            store.write_for(a, append(a, vec![renamed("a1"), renamed("a2")])),
-            store.write_for(a, append(a, vec![renamed("a3")])),
-            // Appends to `b`, reading its counter back after each append, each read
-            // the first thing after it that could write the counters back.
-            store.write_for(b, move |c| {
-                let b1 = log::append(c, now, b, vec![renamed("b1")])?;
-                let shown = view::session(c, b)?.map(|s| (s.last_seq, s.time_updated));
-                let b2 = log::append(c, now, b, vec![renamed("b2")])?;
-                let listed = view::sessions(c, None, 100)?
-                    .into_iter()
-                    .find(|s| s.id == b)
-                    .map(|s| s.last_seq);
-                let b3 = log::append(c, now, b, vec![renamed("b3")])?;
-                let counted = log::last_seq(c, b)?;
-                let read = log::read(c, b, 0, 100)?.last().map(|e| e.seq);
-                let appended = [b1, b2, b3].concat();
-                Ok::<_, Error>((appended, shown, listed, counted, read))
-            }),
-            // Not named for `a`: numbered after the writes above that were.
-            store.write(append(a, vec![renamed("a4")])),
-            // `c` deleted, then refused.
-            store.write_for(
-                c,
-                append(c, vec![DurableEvent::Deleted(payload::Deleted {})])
-            ),
-            store.write_for(c, {
-                let append = append(c, vec![renamed("too late")]);
-                move |conn| Ok::<_, Error>(append(conn).map_err(|e| e.to_string()))
-            }),
-            // `d` created in the batch, then appended to by a write named for it.
-            store.write(append(d, vec![created("d")])),
-            store.write_for(d, append(d, vec![renamed("d1")])),
-            // `a` again, moved in memory after every read above: written back at commit.
-            store.write_for(a, append(a, vec![renamed("a5")])),
-        )
-    });
-    // Every write queued, then the writer let go.
-    assert!(futures::poll!(&mut writes).is_pending());
-    release.send(()).unwrap();
-    hold.await.unwrap();
-    let (a12, a3, b123, a4, c_deleted, c_refused, d_created, d1, a5) = writes.await;
-
-    let (batches, writes) = store.stats();
-    assert_eq!(writes - writes_before, 9);
-    assert_eq!(batches - batches_before, 1, "the writes shared one batch");
+    let (a12, a3, b123, a4, c_deleted, c_refused, d_created, d1, a5) =
+        in_one_batch(&store, async {
+            tokio::join!(
+                // Named for `a`, twice.
+                store.write_for(a, append(a, vec![renamed("a1"), renamed("a2")])),
+                store.write_for(a, append(a, vec![renamed("a3")])),
+                // Appends to `b`, reading its counter back after each append, each read
+                // the first thing after it that could write the counters back.
+                store.write_for(b, move |c| {
+                    let b1 = log::append(c, now, b, vec![renamed("b1")])?;
+                    let shown = view::session(c, b)?.map(|s| (s.last_seq, s.time_updated));
+                    let b2 = log::append(c, now, b, vec![renamed("b2")])?;
+                    let listed = view::sessions(c, None, 100)?
+                        .into_iter()
+                        .find(|s| s.id == b)
+                        .map(|s| s.last_seq);
+                    let b3 = log::append(c, now, b, vec![renamed("b3")])?;
+                    let counted = log::last_seq(c, b)?;
+                    let read = log::read(c, b, 0, 100)?.last().map(|e| e.seq);
+                    let appended = [b1, b2, b3].concat();
+                    Ok::<_, Error>((appended, shown, listed, counted, read))
+                }),
+                // Not named for `a`: numbered after the writes above that were.
+                store.write(append(a, vec![renamed("a4")])),
+                // `c` deleted, then refused.
+                store.write_for(
+                    c,
+                    append(c, vec![DurableEvent::Deleted(payload::Deleted {})])
+                ),
+                store.write_for(c, {
+                    let append = append(c, vec![renamed("too late")]);
+                    move |conn| Ok::<_, Error>(append(conn).map_err(|e| e.to_string()))
+                }),
+                // `d` created in the batch, then appended to by a write named for it.
+                store.write(append(d, vec![created("d")])),
+                store.write_for(d, append(d, vec![renamed("d1")])),
+                // `a` again, moved in memory after every read above: written back at commit.
+                store.write_for(a, append(a, vec![renamed("a5")])),
+            )
+        })
+        .await;
+    one_batch(&store, before, 9);
 
     assert_eq!(seqs(a12.unwrap()), vec![2, 3]);
     assert_eq!(seqs(a3.unwrap()), vec![4]);
@@ -586,36 +579,28 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
 
     // The batch's first append, in a savepoint rolled back; then another session's.
     let before = store.stats();
-    let (hold, release) = hold_writer(&store).await;
-    let mut writes = Box::pin(async {
+    let (b_undone, a1) = in_one_batch(&store, async {
         tokio::join!(
             store.write_for(b, in_savepoint(b, "b undone", false)),
             store.write_for(a, plain(a, "a1")),
         )
-    });
-    assert!(futures::poll!(&mut writes).is_pending());
-    release.send(()).unwrap();
-    hold.await.unwrap();
-    let (b_undone, a1) = writes.await;
+    })
+    .await;
     one_batch(&store, before, 2);
     assert_eq!((b_undone.unwrap(), a1.unwrap()), (None, Some(2)));
     assert_eq!(logs().await, vec![upto(2), upto(1), upto(1)]);
 
     // A session appended to by the batch, then appended to in a savepoint rolled back.
     let before = store.stats();
-    let (hold, release) = hold_writer(&store).await;
-    let mut writes = Box::pin(async {
+    let (a2, a_undone, nothing) = in_one_batch(&store, async {
         tokio::join!(
             store.write_for(a, plain(a, "a2")),
             store.write_for(a, in_savepoint(a, "a undone", false)),
             // Names a second session, so that the batch keeps counters.
             store.write_for(b, |_: &mut Conn| Ok::<Option<u64>, Error>(None)),
         )
-    });
-    assert!(futures::poll!(&mut writes).is_pending());
-    release.send(()).unwrap();
-    hold.await.unwrap();
-    let (a2, a_undone, nothing) = writes.await;
+    })
+    .await;
     one_batch(&store, before, 3);
     assert_eq!((a2.unwrap(), a_undone.unwrap()), (Some(3), None));
     assert_eq!(nothing.unwrap(), None);
@@ -625,8 +610,7 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
     // runs once (what it kept of other sessions stays kept).
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let before = store.stats();
-    let (hold, release) = hold_writer(&store).await;
-    let mut writes = Box::pin(async {
+    let (a3, c1) = in_one_batch(&store, async {
         let runs = runs.clone();
         let a3 = plain(a, "a3");
         tokio::join!(
@@ -636,11 +620,8 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
             }),
             store.write_for(c, in_savepoint(c, "c1", true)),
         )
-    });
-    assert!(futures::poll!(&mut writes).is_pending());
-    release.send(()).unwrap();
-    hold.await.unwrap();
-    let (a3, c1) = writes.await;
+    })
+    .await;
     one_batch(&store, before, 2);
     assert_eq!((a3.unwrap(), c1.unwrap()), (Some(4), Some(2)));
     assert_eq!(runs.load(std::sync::atomic::Ordering::Relaxed), 1);
@@ -648,8 +629,7 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
 
     // A read of the log in a savepoint rolled back, after the batch appended.
     let before = store.stats();
-    let (hold, release) = hold_writer(&store).await;
-    let mut writes = Box::pin(async {
+    let (c2, c_read, a4) = in_one_batch(&store, async {
         tokio::join!(
             store.write_for(c, plain(c, "c2")),
             store.write_for(c, move |conn: &mut Conn| {
@@ -662,11 +642,8 @@ async fn a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter
             }),
             store.write_for(a, plain(a, "a4")),
         )
-    });
-    assert!(futures::poll!(&mut writes).is_pending());
-    release.send(()).unwrap();
-    hold.await.unwrap();
-    let (c2, c_read, a4) = writes.await;
+    })
+    .await;
     one_batch(&store, before, 3);
     assert_eq!((c2.unwrap(), a4.unwrap()), (Some(3), Some(5)));
     assert!(c_read.unwrap().contains("read [1, 2, 3]"));
@@ -692,8 +669,7 @@ async fn a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_with
     let store = one_writer(&db).await;
     let session = new_session(&store).await;
     let before = store.stats();
-    let (hold, release) = hold_writer(&store).await;
-    let mut writes = Box::pin(async {
+    let (appended, taking) = in_one_batch(&store, async {
         tokio::join!(
             store.append(session, vec![renamed("appended")]),
             // Takes the appended event's seq with a row of its own, then reads the log
@@ -709,11 +685,8 @@ async fn a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_with
                 Ok::<_, Error>(read.is_err())
             }),
         )
-    });
-    assert!(futures::poll!(&mut writes).is_pending());
-    release.send(()).unwrap();
-    hold.await.unwrap();
-    let (appended, taking) = writes.await;
+    })
+    .await;
     one_batch(&store, before, 2);
     assert_eq!(appended.unwrap()[0].seq, 2);
     assert!(
@@ -744,8 +717,7 @@ async fn a_write_going_on_past_a_failed_statement_loses_no_other_write(db: TestD
     let store = one_writer(&db).await;
     let [a, b]: [SessionId; 2] = new_sessions(&store, 2).await.try_into().unwrap();
     let before = store.stats();
-    let (hold, release) = hold_writer(&store).await;
-    let mut writes = Box::pin(async {
+    let (a1, b1, going_on) = in_one_batch(&store, async {
         tokio::join!(
             store.append(a, vec![renamed("a1")]),
             // Reads the log and the counter, so that nothing gathered or kept is left to
@@ -762,11 +734,8 @@ async fn a_write_going_on_past_a_failed_statement_loses_no_other_write(db: TestD
                 Ok::<_, Error>(refused.is_err())
             }),
         )
-    });
-    assert!(futures::poll!(&mut writes).is_pending());
-    release.send(()).unwrap();
-    hold.await.unwrap();
-    let (a1, b1, going_on) = writes.await;
+    })
+    .await;
     one_batch(&store, before, 3);
     // On PostgreSQL the write that went on fails (its savepoint cannot be released);
     // on SQLite the refused statement ended nothing, and it commits.
@@ -797,16 +766,16 @@ async fn one_writer(db: &TestDb) -> Store {
     Store::open(db.url.clone(), options).await.unwrap()
 }
 
-/// A write that holds `store`'s (only) writer until the sender returned is sent to, so
-/// that the writes queued meanwhile share the next batch; it is running on return.
-async fn hold_writer(store: &Store) -> (Held<'_>, std::sync::mpsc::Sender<()>) {
+/// Runs `writes`, a future that submits its writes when first polled, as one batch of
+/// `store`'s only writer: a write holds the writer until all of them are queued.
+async fn in_one_batch<F: Future>(store: &Store, writes: F) -> F::Output {
     use std::sync::mpsc;
     use std::time::Duration;
 
     let (started, running) = mpsc::channel();
     let (release, released) = mpsc::channel::<()>();
     let released = std::sync::Mutex::new(released);
-    let mut hold: Held<'_> = Box::pin(store.write(move |_| {
+    let mut hold = std::pin::pin!(store.write(move |_| {
         let _ = started.send(());
         let _ = released
             .lock()
@@ -819,8 +788,9 @@ async fn hold_writer(store: &Store) -> (Held<'_>, std::sync::mpsc::Sender<()>) {
         .await
         .unwrap()
         .expect("the holding write runs");
-    (hold, release)
+    let mut writes = std::pin::pin!(writes);
+    assert!(futures::poll!(&mut writes).is_pending());
+    release.send(()).unwrap();
+    hold.await.unwrap();
+    writes.await
 }
-
-/// The write [`hold_writer`] holds the writer with.
-type Held<'a> = std::pin::Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'a>>;
