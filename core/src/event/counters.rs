@@ -31,6 +31,13 @@
 //! rolls it back and runs it again keeping nothing. An admission appends in a savepoint,
 //! so a batch where a session's runner appended before its admission runs twice.
 //!
+//! The projections' changes to a kept session's own row ride with its counter ([`change`]):
+//! its title, agent and model, and the usage and cost its steps add, are kept beside the
+//! counter and written back by the same statement, so an event that projects only onto
+//! its session's row (a rename, a switch of agent or model) costs the batch no round
+//! trip of its own. Whatever reads those columns on a connection that may be the writer's
+//! flushes first, as for the counter ([`crate::event::view::session_info`] as well).
+//!
 //! SQLite keeps nothing here: its statements cost no round trip, and a batch's counter
 //! update and lookup cost it about what keeping them would.
 //!
@@ -41,7 +48,7 @@ use std::collections::HashMap;
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::sql_types::{Array, BigInt, Text};
+use diesel::sql_types::{Array, BigInt, Double, Nullable, Text};
 use diesel::{QueryResult, RunQueryDsl};
 use keel_schema::id::SessionId;
 
@@ -53,6 +60,38 @@ struct Counter {
     last_seq: i64,
     /// When it was last moved, while the table does not have it yet.
     moved_at: Option<i64>,
+    /// The session row's changes the table does not have yet; only while `moved_at` is
+    /// set, since each comes from an event appended (so counted) here.
+    changes: Changes,
+}
+
+/// A projection's change to its session's row ([`change`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Change<'a> {
+    Title(&'a str),
+    Agent(&'a str),
+    Model {
+        provider: &'a str,
+        id: &'a str,
+    },
+    /// A step's usage (input, output, reasoning, cache read, cache write tokens) and
+    /// cost, added to the session's totals.
+    Usage {
+        tokens: [i64; 5],
+        cost: f64,
+    },
+}
+
+/// The changes kept for a session's row until its write-back.
+#[derive(Debug, Default)]
+struct Changes {
+    title: Option<String>,
+    agent: Option<String>,
+    model: Option<(String, String)>,
+    /// One step's usage at most: two costs added together here and then to the table
+    /// could round differently from each added to the table in turn, and the projections
+    /// must equal a replay of the log exactly.
+    usage: Option<([i64; 5], f64)>,
 }
 
 /// What this thread keeps for its batch.
@@ -174,12 +213,63 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
             let counter = Counter {
                 last_seq,
                 moved_at: None,
+                changes: Changes::default(),
             };
             (id, counter)
         })
         .collect();
     KEPT.with(|kept| *kept.borrow_mut() = Some(Kept::Locked(counters)));
     Ok(())
+}
+
+/// Keeps `change`, made by the projection of an event appended to session `id`, with the
+/// session's kept counter, to be written back with it; returns `false` when this thread
+/// keeps no counter for the session (or runs inside a savepoint, where nothing is kept),
+/// and the caller makes the change in the table itself.
+pub(crate) fn change(connection: &mut Conn, id: &str, change: Change<'_>) -> QueryResult<bool> {
+    let state = KEPT.with(|kept| match kept.borrow().as_ref() {
+        Some(Kept::Locked(counters)) => counters.get(id).map(|counter| {
+            let usage_pending =
+                matches!(change, Change::Usage { .. }) && counter.changes.usage.is_some();
+            (counter.moved_at, usage_pending)
+        }),
+        _ => None,
+    });
+    let Some((moved_at, usage_pending)) = state else {
+        return Ok(false);
+    };
+    debug_assert!(
+        moved_at.is_some(),
+        "a kept change comes from an event appended here"
+    );
+    if is_in_savepoint(connection)? {
+        return Ok(false);
+    }
+    if usage_pending {
+        // A second step's usage in one batch (rare): the first goes to the table now.
+        write_back(connection, Some(id))?;
+    }
+    Ok(KEPT.with(|kept| {
+        let mut kept = kept.borrow_mut();
+        let Some(Kept::Locked(counters)) = kept.as_mut() else {
+            return false;
+        };
+        let Some(counter) = counters.get_mut(id) else {
+            return false;
+        };
+        // Still to be written back, with this change.
+        counter.moved_at = moved_at;
+        let changes = &mut counter.changes;
+        match change {
+            Change::Title(title) => changes.title = Some(title.to_owned()),
+            Change::Agent(agent) => changes.agent = Some(agent.to_owned()),
+            Change::Model { provider, id } => {
+                changes.model = Some((provider.to_owned(), id.to_owned()));
+            }
+            Change::Usage { tokens, cost } => changes.usage = Some((tokens, cost)),
+        }
+        true
+    }))
 }
 
 /// Writes the counters moved since the last flush to the table; they stay kept.
@@ -201,9 +291,12 @@ fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
                     continue;
                 }
                 if let Some(time) = counter.moved_at.take() {
-                    moved.ids.push(id.clone());
-                    moved.last_seqs.push(counter.last_seq);
-                    moved.times.push(time);
+                    moved.push(
+                        id,
+                        counter.last_seq,
+                        time,
+                        std::mem::take(&mut counter.changes),
+                    );
                 }
             }
         }
@@ -277,12 +370,39 @@ impl QueryFragment<Pg> for LockSessions<'_> {
 
 impl<C> RunQueryDsl<C> for LockSessions<'_> {}
 
-/// The counters moved in a batch, written back by one statement.
+/// The counters moved in a batch, and their sessions' changes, written back by one
+/// statement: a column of values for each, a `NULL` or a zero where a session's row keeps
+/// what it has.
 #[derive(Debug, Default)]
 struct Moved {
     ids: Vec<String>,
     last_seqs: Vec<i64>,
     times: Vec<i64>,
+    titles: Vec<Option<String>>,
+    agents: Vec<Option<String>>,
+    providers: Vec<Option<String>>,
+    models: Vec<Option<String>>,
+    /// Tokens added, by kind, in [`Change::Usage`]'s order.
+    tokens: [Vec<i64>; 5],
+    costs: Vec<f64>,
+}
+
+impl Moved {
+    fn push(&mut self, id: &str, last_seq: i64, time: i64, changes: Changes) {
+        self.ids.push(id.to_owned());
+        self.last_seqs.push(last_seq);
+        self.times.push(time);
+        self.titles.push(changes.title);
+        self.agents.push(changes.agent);
+        let (provider, model) = changes.model.unzip();
+        self.providers.push(provider);
+        self.models.push(model);
+        let (tokens, cost) = changes.usage.unwrap_or_default();
+        for (column, added) in self.tokens.iter_mut().zip(tokens) {
+            column.push(added);
+        }
+        self.costs.push(cost);
+    }
 }
 
 impl QueryId for Moved {
@@ -293,15 +413,25 @@ impl QueryId for Moved {
 impl QueryFragment<Pg> for Moved {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
-            r#"UPDATE "session" SET "last_seq" = "moved"."last_seq", "time_updated" = "moved"."time" FROM UNNEST("#,
+            r#"UPDATE "session" SET "last_seq" = "moved"."last_seq", "time_updated" = "moved"."time", "title" = COALESCE("moved"."title", "session"."title"), "agent" = COALESCE("moved"."agent", "session"."agent"), "model_provider" = COALESCE("moved"."provider", "session"."model_provider"), "model_id" = COALESCE("moved"."model", "session"."model_id"), "usage_input" = "session"."usage_input" + "moved"."input", "usage_output" = "session"."usage_output" + "moved"."output", "usage_reasoning" = "session"."usage_reasoning" + "moved"."reasoning", "usage_cache_read" = "session"."usage_cache_read" + "moved"."cache_read", "usage_cache_write" = "session"."usage_cache_write" + "moved"."cache_write", "cost" = "session"."cost" + "moved"."cost" FROM UNNEST("#,
         );
         out.push_bind_param::<Array<Text>, _>(&self.ids)?;
         out.push_sql(", ");
         out.push_bind_param::<Array<BigInt>, _>(&self.last_seqs)?;
         out.push_sql(", ");
         out.push_bind_param::<Array<BigInt>, _>(&self.times)?;
+        for column in [&self.titles, &self.agents, &self.providers, &self.models] {
+            out.push_sql(", ");
+            out.push_bind_param::<Array<Nullable<Text>>, _>(column)?;
+        }
+        for column in &self.tokens {
+            out.push_sql(", ");
+            out.push_bind_param::<Array<BigInt>, _>(column)?;
+        }
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Double>, _>(&self.costs)?;
         out.push_sql(
-            r#") AS "moved" ("id", "last_seq", "time") WHERE "session"."id" = "moved"."id""#,
+            r#") AS "moved" ("id", "last_seq", "time", "title", "agent", "provider", "model", "input", "output", "reasoning", "cache_read", "cache_write", "cost") WHERE "session"."id" = "moved"."id""#,
         );
         Ok(())
     }

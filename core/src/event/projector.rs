@@ -115,23 +115,48 @@ impl Projection<'_> {
         Ok(())
     }
 
+    /// Changes the session's own row: kept with its counter by the writer's batch when it
+    /// keeps one ([`counters::change`]), by `statement` otherwise.
+    fn change_session(
+        &mut self,
+        change: counters::Change<'_>,
+        statement: impl Execute,
+    ) -> Result<(), Error> {
+        if counters::change(self.connection, self.session_id, change)? {
+            return Ok(());
+        }
+        self.run(statement)
+    }
+
     fn apply(&mut self) -> Result<(), Error> {
         let envelope = self.envelope;
         match &envelope.event {
             DurableEvent::Created(e) => self.created(e),
-            DurableEvent::Renamed(e) => self.run(SetTitle {
-                id: self.session_id,
-                title: &e.title,
-            }),
-            DurableEvent::AgentSwitched(e) => self.run(SetAgent {
-                id: self.session_id,
-                agent: &e.agent,
-            }),
-            DurableEvent::ModelSwitched(e) => self.run(SetModel {
-                id: self.session_id,
-                provider: &e.model.provider,
-                model: &e.model.id,
-            }),
+            DurableEvent::Renamed(e) => self.change_session(
+                counters::Change::Title(&e.title),
+                SetTitle {
+                    id: self.session_id,
+                    title: &e.title,
+                },
+            ),
+            DurableEvent::AgentSwitched(e) => self.change_session(
+                counters::Change::Agent(&e.agent),
+                SetAgent {
+                    id: self.session_id,
+                    agent: &e.agent,
+                },
+            ),
+            DurableEvent::ModelSwitched(e) => self.change_session(
+                counters::Change::Model {
+                    provider: &e.model.provider,
+                    id: &e.model.id,
+                },
+                SetModel {
+                    id: self.session_id,
+                    provider: &e.model.provider,
+                    model: &e.model.id,
+                },
+            ),
             DurableEvent::Deleted(_) => {
                 self.run(SetDeleted {
                     id: self.session_id,
@@ -418,17 +443,26 @@ impl Projection<'_> {
     }
 
     fn add_usage(&mut self, usage: Usage, cost: f64) -> Result<(), Error> {
-        AddUsage {
-            id: self.session_id,
-            input: db_int(usage.input)?,
-            output: db_int(usage.output)?,
-            reasoning: db_int(usage.reasoning)?,
-            cache_read: db_int(usage.cache_read)?,
-            cache_write: db_int(usage.cache_write)?,
-            cost,
-        }
-        .execute(self.connection)?;
-        Ok(())
+        let tokens = [
+            db_int(usage.input)?,
+            db_int(usage.output)?,
+            db_int(usage.reasoning)?,
+            db_int(usage.cache_read)?,
+            db_int(usage.cache_write)?,
+        ];
+        let [input, output, reasoning, cache_read, cache_write] = tokens;
+        self.change_session(
+            counters::Change::Usage { tokens, cost },
+            AddUsage {
+                id: self.session_id,
+                input,
+                output,
+                reasoning,
+                cache_read,
+                cache_write,
+                cost,
+            },
+        )
     }
 
     // --- inputs -------------------------------------------------------------------------

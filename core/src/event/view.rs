@@ -214,6 +214,7 @@ pub fn session_info(
     connection: &mut Conn,
     session_id: SessionId,
 ) -> Result<Option<SessionInfo>, Error> {
+    counters::flush(connection)?;
     Ok(on_backend!(connection, |c| session::table
         .find(session_id.to_string())
         .select(SessionInfoRow::as_select())

@@ -44,6 +44,7 @@ backend_tests!(
     a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter_right,
     a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_without_them,
     a_write_going_on_past_a_failed_statement_loses_no_other_write,
+    a_batch_s_changes_to_its_sessions_rows_equal_a_replay_and_are_read_back_in_the_batch,
 );
 
 /// `session_count`, which `GET /metrics` reads instead of counting the sessions, is kept
@@ -747,6 +748,172 @@ async fn a_write_going_on_past_a_failed_statement_loses_no_other_write(db: TestD
         let log = store.read_log(session, 0, 100).await.unwrap();
         assert_eq!(log.last(), appended.last(), "{session}");
         assert_eq!(store.last_seq(session).await.unwrap(), Some(2));
+    }
+}
+
+/// What a batch of writes for several sessions projects onto their own rows (a rename, a
+/// switch of agent or model, a step's usage and cost; on PostgreSQL kept with the
+/// counters until the write-back, see `event::counters`) is what a replay of their logs
+/// projects, exactly: two steps' costs in one batch are added to the total one after the
+/// other, as the replay adds them, and a change made in a savepoint rolled back is gone.
+/// A read of the session's row in the batch sees what its writes changed, and the batch
+/// runs once.
+#[allow(clippy::float_cmp)] // The costs must be equal to the bit.
+async fn a_batch_s_changes_to_its_sessions_rows_equal_a_replay_and_are_read_back_in_the_batch(
+    db: TestDb,
+) {
+    use keel_core::event::{log, replay, view};
+    use keel_core::store::Conn;
+    use keel_schema::types::{Finish, ModelRef, Usage};
+
+    let store = one_writer(&db).await;
+    let [a, b, c]: [SessionId; 3] = new_sessions(&store, 3).await.try_into().unwrap();
+    let started = |id: MessageId| {
+        DurableEvent::StepStarted(payload::StepStarted {
+            assistant_message_id: id,
+            step: 1,
+            agent: "build".into(),
+            model: ModelRef {
+                provider: "scripted".into(),
+                id: "demo".into(),
+            },
+        })
+    };
+    let ended = |id: MessageId, input: u64, cost: f64| {
+        DurableEvent::StepEnded(payload::StepEnded {
+            assistant_message_id: id,
+            finish: Finish::Stop,
+            usage: Usage {
+                input,
+                output: 2,
+                reasoning: 3,
+                cache_read: 4,
+                cache_write: 5,
+            },
+            cost,
+        })
+    };
+    let switched_agent = |agent: &str| {
+        DurableEvent::AgentSwitched(payload::AgentSwitched {
+            agent: agent.into(),
+        })
+    };
+    let switched_model = |id: &str| {
+        DurableEvent::ModelSwitched(payload::ModelSwitched {
+            model: ModelRef {
+                provider: "other".into(),
+                id: id.into(),
+            },
+        })
+    };
+    // `a` has cost 0.1 before the batch: 0.1 + 0.2 + 0.3 added in turn is not
+    // 0.1 + (0.2 + 0.3).
+    let [first, second, third, fourth] = [(); 4].map(|()| MessageId::new());
+    store
+        .append(a, vec![started(first), ended(first, 1, 0.1)])
+        .await
+        .unwrap();
+    store.append(b, vec![started(second)]).await.unwrap();
+
+    let append = |session: SessionId, events: Vec<DurableEvent>| {
+        move |c: &mut Conn| log::append(c, T0, session, events.clone())
+    };
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let before = store.stats();
+    let (renamed_a, steps_a, read_b, kept_c) = in_one_batch(&store, async {
+        let runs = runs.clone();
+        let renames = append(
+            a,
+            vec![renamed("a1"), switched_agent("plan"), switched_model("m1")],
+        );
+        tokio::join!(
+            store.write_for(a, move |conn: &mut Conn| {
+                runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                renames(conn)
+            }),
+            store.write_for(
+                a,
+                append(
+                    a,
+                    vec![
+                        started(third),
+                        ended(third, 10, 0.2),
+                        started(fourth),
+                        ended(fourth, 100, 0.3),
+                        renamed("a2"),
+                    ]
+                )
+            ),
+            // `b`'s step ends, and its row is read back in the same write.
+            store.write_for(b, move |c: &mut Conn| {
+                log::append(
+                    c,
+                    T0,
+                    b,
+                    vec![ended(second, 20, 0.3), switched_agent("review")],
+                )?;
+                let info = view::session_info(c, b)?.map(|info| info.agent);
+                log::append(c, T0, b, vec![renamed("b1"), switched_model("m2")])?;
+                let shown =
+                    view::session(c, b)?.map(|s| (s.title, s.model.id, s.usage.input, s.cost));
+                Ok::<_, Error>((info, shown))
+            }),
+            // `c` renamed in a savepoint rolled back, then outside it.
+            store.write_for(c, move |c_conn: &mut Conn| {
+                let undone = diesel::Connection::transaction::<(), Error, _>(c_conn, |conn| {
+                    log::append(conn, T0, c, vec![renamed("undone")])?;
+                    Err(diesel::result::Error::RollbackTransaction.into())
+                });
+                assert!(undone.is_err());
+                log::append(c_conn, T0, c, vec![renamed("c1")])
+            }),
+        )
+    })
+    .await;
+    one_batch(&store, before, 4);
+    // Nothing made the batch run again (on PostgreSQL, with nothing kept).
+    assert_eq!(runs.load(std::sync::atomic::Ordering::Relaxed), 1);
+    renamed_a.unwrap();
+    steps_a.unwrap();
+    kept_c.unwrap();
+    let (info, shown) = read_b.unwrap();
+    assert_eq!(info.as_deref(), Some("review"), "session_info in the batch");
+    assert_eq!(
+        shown,
+        Some((Some("b1".to_owned()), "m2".to_owned(), 20, 0.3)),
+        "the session view in the batch"
+    );
+
+    let shown = |session: SessionId| {
+        let store = store.clone();
+        async move {
+            store
+                .read(move |c| view::session(c, session))
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+    let a_shown = shown(a).await;
+    assert_eq!(
+        (a_shown.title.as_deref(), a_shown.agent.as_str()),
+        (Some("a2"), "plan")
+    );
+    assert_eq!(a_shown.model.id, "m1");
+    assert_eq!(a_shown.usage.input, 111);
+    assert_eq!(a_shown.cost, 0.1 + 0.2 + 0.3, "costs added in turn");
+    assert_ne!(a_shown.cost, 0.1 + (0.2 + 0.3));
+    assert_eq!(shown(c).await.title.as_deref(), Some("c1"));
+
+    // Every row is what a replay of the log projects, to the last bit of the costs.
+    let target_db = TestDb::sqlite();
+    let target = target_db.open().await;
+    for session in [a, b, c] {
+        replay::session(&store, &target, session).await.unwrap();
+        let (last, original) = snapshot(&store, session).await;
+        let (replayed_last, rebuilt) = snapshot(&target, session).await;
+        assert_eq!(last, replayed_last, "{session}");
+        assert_eq!(original, rebuilt, "{session}");
     }
 }
 
