@@ -17,6 +17,8 @@
 mod assistant;
 mod statements;
 
+pub(crate) use assistant::forget_kept;
+
 use diesel::prelude::*;
 use keel_schema::api::{AssistantPart, InputStatus, Message, StepEnd};
 use keel_schema::event::{DurableEvent, Envelope, payload};
@@ -591,7 +593,8 @@ impl Projection<'_> {
             other => other.into(),
         })?;
         if let Message::Assistant { end: None, .. } = message {
-            assistant::Written::keep(id, data, message.clone());
+            let version = self.version_to_keep()?;
+            assistant::Written::keep(id, data, message.clone(), version);
         }
         Ok(())
     }

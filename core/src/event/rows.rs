@@ -55,6 +55,12 @@ pub(crate) fn gather() {
     GATHERED.with(|gathered| *gathered.borrow_mut() = Some(Vec::new()));
 }
 
+/// Whether this thread gathers rows: it runs a plain batch of the writer's, where only a
+/// write's own savepoint or a rollback of the whole batch undoes a write.
+pub(crate) fn gathering() -> bool {
+    GATHERED.with(|gathered| gathered.borrow().is_some())
+}
+
 /// Inserts rows at once again on this thread, dropping any not flushed.
 pub(crate) fn stop() {
     GATHERED.with(|gathered| *gathered.borrow_mut() = None);
@@ -63,8 +69,7 @@ pub(crate) fn stop() {
 /// Inserts `row`, or keeps it for [`flush`] while this thread gathers. A row appended
 /// inside a savepoint goes in at once, so that rolling the savepoint back undoes it.
 pub(crate) fn insert(connection: &mut Conn, row: Row) -> QueryResult<()> {
-    let gathering = GATHERED.with(|gathered| gathered.borrow().is_some());
-    if gathering && !is_in_savepoint(connection)? {
+    if gathering() && !is_in_savepoint(connection)? {
         GATHERED.with(|gathered| {
             if let Some(rows) = gathered.borrow_mut().as_mut() {
                 rows.push(row);

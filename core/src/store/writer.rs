@@ -993,6 +993,9 @@ fixed_query! {
 }
 
 fn rollback_all(connection: &mut Conn) {
+    // What the batch's edits wrote is undone: the messages kept as written are not the
+    // rows' any more.
+    crate::event::projector::forget_kept();
     while matches!(transaction_depth(connection), Ok(Some(_))) {
         if let Err(e) = <Conn as Connection>::TransactionManager::rollback_transaction(connection) {
             tracing::error!(error = %e, "rollback failed; the connection will be replaced");

@@ -925,7 +925,7 @@ fn one_batch(store: &Store, before: (u64, u64), writes: u64) {
 }
 
 /// A store with one writer, so that every write goes to the same one.
-async fn one_writer(db: &TestDb) -> Store {
+pub(crate) async fn one_writer(db: &TestDb) -> Store {
     let options = keel_core::store::Options {
         pg_writers: 1,
         ..db.options()
@@ -935,7 +935,7 @@ async fn one_writer(db: &TestDb) -> Store {
 
 /// Runs `writes`, a future that submits its writes when first polled, as one batch of
 /// `store`'s only writer: a write holds the writer until all of them are queued.
-async fn in_one_batch<F: Future>(store: &Store, writes: F) -> F::Output {
+pub(crate) async fn in_one_batch<F: Future>(store: &Store, writes: F) -> F::Output {
     use std::sync::mpsc;
     use std::time::Duration;
 

@@ -24,6 +24,7 @@ backend_tests!(
     a_held_transcript_reads_only_what_changed_and_matches_a_full_read,
     a_reply_is_projected_only_onto_a_pending_request_of_its_kind,
     an_edit_rolled_back_leaves_nothing_in_the_next_edit_of_its_message,
+    an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here,
 );
 
 fn step_started(id: MessageId) -> DurableEvent {
@@ -559,4 +560,164 @@ async fn an_edit_rolled_back_leaves_nothing_in_the_next_edit_of_its_message(db: 
         .map(|e| e.event.type_name())
         .collect();
     assert_eq!(types.last(), Some(&"session.next.text.ended"));
+}
+
+/// A node edits a message from the copy it kept when it last wrote it, without reading
+/// the row back (see `projector::assistant::Written`). Another node's edit in between must
+/// not be lost: the row moved on, and the edit here reads it. Nor may an edit here that
+/// was rolled back be taken for another node's edit at the same seq (the rollback left
+/// the seq free, and the other node's row is at that version): whether the rollback was
+/// the whole transaction's, a write's own savepoint's, or the savepoint the writer gives a
+/// write when it runs a batch again after one of its writes failed.
+async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db: TestDb) {
+    let here = crate::log::one_writer(&db).await;
+    let there = db.open().await;
+    let session = new_session(&here).await;
+    let message = MessageId::new();
+    let text_started = move |ordinal| {
+        DurableEvent::TextStarted(payload::TextStarted {
+            assistant_message_id: message,
+            ordinal,
+        })
+    };
+    let text_ended = move |ordinal, text: &str| {
+        DurableEvent::TextEnded(payload::TextEnded {
+            assistant_message_id: message,
+            ordinal,
+            text: text.into(),
+        })
+    };
+    let reasoning_started = move |ordinal| {
+        DurableEvent::ReasoningStarted(payload::ReasoningStarted {
+            assistant_message_id: message,
+            ordinal,
+            provider_metadata: None,
+        })
+    };
+    let parts = |store: Store| async move {
+        let messages = store
+            .read(move |c| view::messages(c, session))
+            .await
+            .unwrap();
+        let Message::Assistant { parts, .. } = &messages[0] else {
+            panic!("{:?}", messages[0])
+        };
+        parts.clone()
+    };
+    let text = |ordinal, text: &str| AssistantPart::Text {
+        ordinal,
+        text: text.into(),
+    };
+    let reasoning = |ordinal| AssistantPart::Reasoning {
+        ordinal,
+        text: String::new(),
+        provider_metadata: None,
+    };
+
+    // Here the step starts and a fragment opens; there another opens; here the first ends.
+    here.append(session, vec![step_started(message), text_started(0)])
+        .await
+        .unwrap();
+    there
+        .append(session, vec![reasoning_started(0)])
+        .await
+        .unwrap();
+    here.append(session, vec![text_ended(0, "one")])
+        .await
+        .unwrap();
+    assert_eq!(
+        parts(here.clone()).await,
+        vec![text(0, "one"), reasoning(0)],
+        "the other node's fragment is kept"
+    );
+
+    // Here a fragment opens and the write fails; there the seq it left free is taken by
+    // another edit; here the next edit must start from that one.
+    let failed = here
+        .write(move |c| {
+            log::append(c, 0, session, vec![text_started(1)])?;
+            Err::<(), _>(Error::Corrupt("the write fails after its edit".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+    let taken = there
+        .append(session, vec![reasoning_started(1)])
+        .await
+        .unwrap();
+    here.append(session, vec![text_started(2), text_ended(2, "two")])
+        .await
+        .unwrap();
+    assert_eq!(
+        parts(here.clone()).await,
+        vec![text(0, "one"), reasoning(0), reasoning(1), text(2, "two")],
+        "the edit at seq {} is the other node's",
+        taken[0].seq
+    );
+
+    // The same, the edit here undone by a savepoint of its write's own.
+    here.write_for(session, move |c| {
+        let undone = diesel::Connection::transaction::<(), Error, _>(c, |c| {
+            log::append(c, 0, session, vec![text_started(3)])?;
+            Err(diesel::result::Error::RollbackTransaction.into())
+        });
+        assert!(undone.is_err());
+        Ok::<_, Error>(())
+    })
+    .await
+    .unwrap();
+    there
+        .append(session, vec![reasoning_started(3)])
+        .await
+        .unwrap();
+    here.append(session, vec![text_started(4)]).await.unwrap();
+
+    // The same, the edit here undone by the savepoint its write runs in when its batch
+    // runs again, one write by one, after that write failed.
+    let other = new_session(&here).await;
+    let (failed, went_on) = crate::log::in_one_batch(&here, async {
+        tokio::join!(
+            here.write_for(session, move |c| {
+                log::append(c, 0, session, vec![text_started(5)])?;
+                Err::<(), _>(Error::Corrupt("the write fails after its edit".into()))
+            }),
+            here.write_for(other, move |c| {
+                log::append(
+                    c,
+                    0,
+                    other,
+                    vec![DurableEvent::Renamed(payload::Renamed {
+                        title: "other".into(),
+                    })],
+                )
+            }),
+        )
+    })
+    .await;
+    assert!(failed.is_err());
+    went_on.unwrap();
+    there
+        .append(session, vec![reasoning_started(5)])
+        .await
+        .unwrap();
+    here.append(session, vec![text_started(6)]).await.unwrap();
+    assert_eq!(
+        parts(here.clone()).await[4..],
+        [reasoning(3), text(4, ""), reasoning(5), text(6, "")]
+    );
+
+    // And the rows are what a replay of the log projects.
+    let target_db = TestDb::sqlite();
+    let target = target_db.open().await;
+    keel_core::event::replay::session(&here, &target, session)
+        .await
+        .unwrap();
+    let original = here
+        .read(move |c| Ok::<_, Error>(rows(c, session)))
+        .await
+        .unwrap();
+    let rebuilt = target
+        .read(move |c| Ok::<_, Error>(rows(c, session)))
+        .await
+        .unwrap();
+    assert_eq!(original, rebuilt);
 }

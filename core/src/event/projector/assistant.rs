@@ -7,24 +7,38 @@ use std::collections::{HashMap, VecDeque};
 use diesel::prelude::*;
 use keel_schema::api::{AssistantPart, Message, StepEnd, ToolStatus};
 use keel_schema::event::payload;
-use keel_schema::id::{CallId, MessageId};
+use keel_schema::id::{CallId, MessageId, SessionId};
 use keel_schema::types::{ErrorInfo, Usage};
 use serde_json::Value;
 
-use super::statements::{CallTool, InsertTool, ResolveTool, SetMessageData, SettleRequests};
+use super::statements::{
+    CallTool, InsertTool, ResolveTool, SetMessageData, SetMessageDataIf, SettleRequests,
+};
 use super::{Projection, ToolOutput};
-use crate::store::Error;
+use crate::event::rows;
 use crate::store::column::text_of;
 use crate::store::on_backend;
 use crate::store::schema::{session_message, session_tool};
+use crate::store::{Error, is_in_savepoint};
 
 impl Projection<'_> {
     /// Loads this session's assistant message `id`, lets `change` edit it, and stores it.
+    ///
+    /// When this thread kept the message as it last wrote it, at a version (the
+    /// `updated_seq`) of a transaction still open or committed ([`Written`]), the edit
+    /// starts from that copy without reading the row, and stores it only if the row is
+    /// still at that version; otherwise (the row moved on, or `change` refused what may be
+    /// a stale copy) it reads the row and runs `change` again on what it holds.
     fn edit_assistant<T>(
         &mut self,
         id: MessageId,
-        change: impl FnOnce(&mut AssistantView<'_>) -> Result<T, String>,
+        mut change: impl FnMut(&mut AssistantView<'_>) -> Result<T, String>,
     ) -> Result<T, Error> {
+        if let Some((message, kept_at)) = Written::take_current(id, self.session())
+            && let Some(value) = self.store_edit(id, message, Some(kept_at), &mut change)?
+        {
+            return Ok(value);
+        }
         let row: Option<StoredMessage> = on_backend!(self.connection, |c| session_message::table
             .find(id.to_string())
             .select(StoredMessage::as_select())
@@ -36,11 +50,26 @@ impl Projection<'_> {
         if row.session_id != self.session_id {
             return Err(self.refuse(format!("message {id} belongs to another session")));
         }
-        let mut message = match Written::take(id, &row.data) {
+        let message = match Written::take(id, &row.data) {
             Some(message) => message,
             None => serde_json::from_str(&row.data)
                 .map_err(|err| Error::Corrupt(format!("message {id}: {err}")))?,
         };
+        let stored = self.store_edit(id, message, None, &mut change)?;
+        Ok(stored.expect("an edit of the row as read is stored or refused"))
+    }
+
+    /// Applies `change` to `message` and stores it. A message `kept_at` a version is not
+    /// known to be the row's: it is stored only if the row is still at that version, and
+    /// `None` comes back when it is not, or when `change` refuses it, for the caller to
+    /// read the row.
+    fn store_edit<T>(
+        &mut self,
+        id: MessageId,
+        mut message: Message,
+        kept_at: Option<i64>,
+        change: &mut impl FnMut(&mut AssistantView<'_>) -> Result<T, String>,
+    ) -> Result<Option<T>, Error> {
         let Message::Assistant {
             parts,
             end,
@@ -57,21 +86,57 @@ impl Projection<'_> {
             usage,
             cost,
         };
-        let value = change(&mut view).map_err(|reason| self.refuse(reason))?;
+        let value = match change(&mut view) {
+            Ok(value) => value,
+            Err(_) if kept_at.is_some() => return Ok(None),
+            Err(reason) => return Err(self.refuse(reason)),
+        };
         let ended = view.end.is_some();
         let data = serde_json::to_string(&message)
             .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
-        SetMessageData {
-            id: &id.to_string(),
-            data: &data,
-            seq: self.seq()?,
+        let (id_text, seq) = (id.to_string(), self.seq()?);
+        match kept_at {
+            Some(kept_at) => {
+                let stored = SetMessageDataIf {
+                    id: &id_text,
+                    data: &data,
+                    seq,
+                    kept_at,
+                }
+                .execute(self.connection)?;
+                if stored == 0 {
+                    return Ok(None);
+                }
+            }
+            None => {
+                SetMessageData {
+                    id: &id_text,
+                    data: &data,
+                    seq,
+                }
+                .execute(self.connection)?;
+            }
         }
-        .execute(self.connection)?;
         // An ended step's message is not edited again.
         if !ended {
-            Written::keep(id, data, message);
+            let version = self.version_to_keep()?;
+            Written::keep(id, data, message, version);
         }
-        Ok(value)
+        Ok(Some(value))
+    }
+
+    /// The version a message written now is kept at ([`Written`]): its `updated_seq`,
+    /// when the writer runs a plain batch (one that keeps nothing of a write it rolls back
+    /// alone, see `store::writer`) and this is not inside a write's own savepoint, so
+    /// that only a rollback of the whole batch can undo the write; `None` otherwise.
+    pub(super) fn version_to_keep(&mut self) -> Result<Option<Version>, Error> {
+        if !rows::gathering() || is_in_savepoint(self.connection)? {
+            return Ok(None);
+        }
+        Ok(Some(Version {
+            session: self.session(),
+            updated_seq: self.seq()?,
+        }))
     }
 
     pub(super) fn open_part(&mut self, id: MessageId, part: AssistantPart) -> Result<(), Error> {
@@ -81,7 +146,7 @@ impl Projection<'_> {
             if duplicate {
                 return Err("the fragment is already open".into());
             }
-            view.parts.push(part);
+            view.parts.push(part.clone());
             Ok(())
         })
     }
@@ -185,8 +250,8 @@ impl Projection<'_> {
             view.require_open()?;
             let called = AssistantPart::Tool {
                 call_id,
-                name,
-                input,
+                name: name.clone(),
+                input: input.clone(),
                 effect,
                 provider_executed,
                 status: ToolStatus::Running,
@@ -279,17 +344,17 @@ impl Projection<'_> {
                 ..
             } = part
             {
-                match output {
+                match &output {
                     ToolOutput::Success {
                         content: c, result, ..
                     } => {
                         *status = ToolStatus::Completed;
-                        *content = c;
-                        *provider_result = result;
+                        content.clone_from(c);
+                        provider_result.clone_from(result);
                     }
                     ToolOutput::Failure { error: e } => {
                         *status = ToolStatus::Error;
-                        *error = Some(e);
+                        *error = Some(e.clone());
                     }
                 }
             }
@@ -358,7 +423,7 @@ impl Projection<'_> {
                     failed.push(*call_id);
                 }
             }
-            *view.end = Some(end);
+            *view.end = Some(end.clone());
             if let Some(usage) = usage {
                 *view.usage = usage;
             }
@@ -406,10 +471,21 @@ impl Projection<'_> {
 /// Every fragment's start and end, every call and result of a step is an edit of its
 /// whole assistant message, and decoding the stored text again for each was about a
 /// seventh of the store writer's work while steps stream text. An edit whose row still
-/// holds exactly the text written last starts from the message kept with it instead.
-/// The key is the text itself, so nothing needs invalidating: a row changed any other
-/// way (a transaction rolled back after the edit, another writer, another node) holds
-/// other text, and is decoded.
+/// holds exactly the text written last starts from the message kept with it instead: a
+/// row changed any other way (a transaction rolled back after the edit, another writer,
+/// another node) holds other text, and is decoded.
+///
+/// Reading the row back to compare was a statement per edit, a round trip on
+/// PostgreSQL. So a message is also kept with the version of the row it wrote (the seq
+/// of its event, which every edit stores in `updated_seq`), and the next edit starts
+/// from it without reading: its `UPDATE … WHERE updated_seq = <version>` finds the row
+/// only as it was written, and finding none, the edit reads the row after all. Another
+/// writer's edit moves the version on; but an edit undone by a rollback leaves the seq
+/// free for another event, which another node could append, editing the message to a
+/// different text at the same version. So a message is kept at a version only when its
+/// write can be undone by nothing but a rollback of the writer's whole transaction (a
+/// plain batch, outside a write's own savepoint), and every such rollback forgets what is
+/// kept ([`forget_kept`]).
 #[derive(Default)]
 pub(super) struct Written {
     messages: HashMap<MessageId, Kept>,
@@ -425,6 +501,17 @@ struct Kept {
     stamp: u64,
     data: String,
     message: Message,
+    /// The row's version the message was written at, when only a rollback of the whole
+    /// transaction can undo that write (which forgets it, [`forget_kept`]).
+    version: Option<Version>,
+}
+
+/// The version of a message's row a kept message was written at: its session, and the
+/// seq of the event whose edit wrote it (`updated_seq`, which every edit moves on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Version {
+    session: SessionId,
+    updated_seq: i64,
 }
 
 /// The most a thread keeps, estimated as in [`Written::cost`]: enough for the open
@@ -435,6 +522,12 @@ thread_local! {
     static WRITTEN: RefCell<Written> = RefCell::new(Written::default());
 }
 
+/// Forgets every message this thread kept: the writer's transaction was rolled back, and
+/// what its edits wrote is not the rows' any more (see [`Written`]).
+pub(crate) fn forget_kept() {
+    WRITTEN.with(|written| *written.borrow_mut() = Written::default());
+}
+
 impl Written {
     /// The message kept for `id` when `stored` is the text it was written as; either way
     /// `id` is no longer kept (its edit keeps it again).
@@ -442,9 +535,15 @@ impl Written {
         WRITTEN.with(|written| written.borrow_mut().take_kept(id, stored))
     }
 
-    /// Keeps `message`, just written as `data`.
-    pub(super) fn keep(id: MessageId, data: String, message: Message) {
-        WRITTEN.with(|written| written.borrow_mut().insert(id, data, message));
+    /// The message kept for `id` with the version it was written at, when it was kept
+    /// with one in `session`; `id` is then no longer kept.
+    fn take_current(id: MessageId, session: SessionId) -> Option<(Message, i64)> {
+        WRITTEN.with(|written| written.borrow_mut().take_versioned(id, session))
+    }
+
+    /// Keeps `message`, just written as `data`, at `version` when known.
+    pub(super) fn keep(id: MessageId, data: String, message: Message, version: Option<Version>) {
+        WRITTEN.with(|written| written.borrow_mut().insert(id, data, message, version));
     }
 
     fn take_kept(&mut self, id: MessageId, stored: &str) -> Option<Message> {
@@ -453,7 +552,16 @@ impl Written {
             .map(|kept| kept.message)
     }
 
-    fn insert(&mut self, id: MessageId, data: String, message: Message) {
+    fn take_versioned(&mut self, id: MessageId, session: SessionId) -> Option<(Message, i64)> {
+        let version = self.messages.get(&id)?.version?;
+        if version.session != session {
+            return None;
+        }
+        let kept = self.remove(id)?;
+        Some((kept.message, version.updated_seq))
+    }
+
+    fn insert(&mut self, id: MessageId, data: String, message: Message, version: Option<Version>) {
         self.remove(id);
         let cost = Self::cost(&data);
         // A message this large is rare, and would push out many others.
@@ -476,6 +584,7 @@ impl Written {
             stamp,
             data,
             message,
+            version,
         };
         self.messages.insert(id, kept);
         // Stale ids pile up as messages are taken and kept again.
@@ -621,7 +730,7 @@ mod tests {
         let id = MessageId::new();
         let kept = message("one");
         let data = serde_json::to_string(&kept).unwrap();
-        written.insert(id, data.clone(), kept.clone());
+        written.insert(id, data.clone(), kept.clone(), None);
         assert!(
             written.take_kept(id, "{}").is_none(),
             "other text: decode it"
@@ -630,7 +739,7 @@ mod tests {
             written.take_kept(id, &data).is_none(),
             "taking it forgot it, whatever the text"
         );
-        written.insert(id, data.clone(), kept.clone());
+        written.insert(id, data.clone(), kept.clone(), None);
         assert_eq!(written.take_kept(id, &data), Some(kept));
         assert_eq!(written.bytes, 0);
     }
@@ -643,10 +752,10 @@ mod tests {
         let fits = WRITTEN_BYTES / Written::cost(&data);
         let ids: Vec<MessageId> = (0..fits + 10).map(|_| MessageId::new()).collect();
         for id in &ids {
-            written.insert(*id, data.clone(), message(&text));
+            written.insert(*id, data.clone(), message(&text), None);
             // Taken and kept again, as every edit does: the order stays bounded.
             let again = written.take_kept(*id, &data).unwrap();
-            written.insert(*id, data.clone(), again);
+            written.insert(*id, data.clone(), again, None);
         }
         assert!(written.bytes <= WRITTEN_BYTES);
         assert_eq!(written.messages.len(), fits);
@@ -662,7 +771,7 @@ mod tests {
 
         let huge = "y".repeat(WRITTEN_BYTES / 16);
         let id = ids[fits + 8];
-        written.insert(id, huge.clone(), message("huge"));
+        written.insert(id, huge.clone(), message("huge"), None);
         assert!(written.take_kept(id, &huge).is_none(), "too large to keep");
     }
 }

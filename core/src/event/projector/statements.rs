@@ -14,6 +14,15 @@ fixed_query! {
 }
 
 fixed_query! {
+    /// [`SetMessageData`] for an edit of the message as this thread kept it at version
+    /// `kept_at`: changes the row only while it is still at that version.
+    pub(super) struct SetMessageDataIf<'a> { id: &'a str, data: &'a str, seq: i64, kept_at: i64 }
+    sql r#"UPDATE "session_message" SET "data" = "# {data: Text}
+        r#", "updated_seq" = "# {seq: BigInt} r#" WHERE "id" = "# {id: Text}
+        r#" AND "updated_seq" = "# {kept_at: BigInt}
+}
+
+fixed_query! {
     pub(super) struct InsertMessage<'a> { id: &'a str, session_id: &'a str, seq: i64, role: &'a str, data: &'a str }
     sql r#"INSERT INTO "session_message" ("id", "session_id", "seq", "role", "data", "updated_seq") VALUES ("#
         {id: Text} ", " {session_id: Text} ", " {seq: BigInt} ", " {role: Text} ", "
