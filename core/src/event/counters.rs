@@ -36,7 +36,8 @@
 //! counter and written back by the same statement, so an event that projects only onto
 //! its session's row (a rename, a switch of agent or model) costs the batch no round
 //! trip of its own. Whatever reads those columns on a connection that may be the writer's
-//! flushes first, as for the counter ([`crate::event::view::session_info`] as well).
+//! flushes first, as for the counter, or writes back that session's changes alone
+//! ([`flush_changes`], for [`crate::event::view::session_info`]).
 //!
 //! SQLite keeps nothing here: its statements cost no round trip, and a batch's counter
 //! update and lookup cost it about what keeping them would.
@@ -61,7 +62,7 @@ struct Counter {
     /// When it was last moved, while the table does not have it yet.
     moved_at: Option<i64>,
     /// The session row's changes the table does not have yet; only while `moved_at` is
-    /// set, since each comes from an event appended (so counted) here.
+    /// set ([`change`] keeps none otherwise), so that a write-back writes them.
     changes: Changes,
 }
 
@@ -83,7 +84,7 @@ pub(crate) enum Change<'a> {
 }
 
 /// The changes kept for a session's row until its write-back.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq)]
 struct Changes {
     title: Option<String>,
     agent: Option<String>,
@@ -222,26 +223,25 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
     Ok(())
 }
 
-/// Keeps `change`, made by the projection of an event appended to session `id`, with the
-/// session's kept counter, to be written back with it; returns `false` when this thread
-/// keeps no counter for the session (or runs inside a savepoint, where nothing is kept),
-/// and the caller makes the change in the table itself.
-pub(crate) fn change(connection: &mut Conn, id: &str, change: Change<'_>) -> QueryResult<bool> {
+/// Keeps `what`, made by the projection of an event appended to session `id`, with the
+/// session's kept counter, to be written back with it. Returns `false`, for the caller
+/// to make the change in the table itself, when this thread keeps no counter for the
+/// session, runs inside a savepoint (where nothing is kept), or has not moved the
+/// counter since its last write-back: an import numbers its events in the table after
+/// writing the kept counters back, and its forgetting of the counter writes back only a
+/// moved one.
+pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> QueryResult<bool> {
     let state = KEPT.with(|kept| match kept.borrow().as_ref() {
-        Some(Kept::Locked(counters)) => counters.get(id).map(|counter| {
+        Some(Kept::Locked(counters)) => counters.get(id).and_then(|counter| {
             let usage_pending =
-                matches!(change, Change::Usage { .. }) && counter.changes.usage.is_some();
-            (counter.moved_at, usage_pending)
+                matches!(what, Change::Usage { .. }) && counter.changes.usage.is_some();
+            Some((counter.moved_at?, usage_pending))
         }),
         _ => None,
     });
     let Some((moved_at, usage_pending)) = state else {
         return Ok(false);
     };
-    debug_assert!(
-        moved_at.is_some(),
-        "a kept change comes from an event appended here"
-    );
     if is_in_savepoint(connection)? {
         return Ok(false);
     }
@@ -258,18 +258,36 @@ pub(crate) fn change(connection: &mut Conn, id: &str, change: Change<'_>) -> Que
             return false;
         };
         // Still to be written back, with this change.
-        counter.moved_at = moved_at;
+        counter.moved_at = Some(moved_at);
         let changes = &mut counter.changes;
-        match change {
+        match what {
             Change::Title(title) => changes.title = Some(title.to_owned()),
             Change::Agent(agent) => changes.agent = Some(agent.to_owned()),
-            Change::Model { provider, id } => {
-                changes.model = Some((provider.to_owned(), id.to_owned()));
+            Change::Model {
+                provider,
+                id: model,
+            } => {
+                changes.model = Some((provider.to_owned(), model.to_owned()));
             }
             Change::Usage { tokens, cost } => changes.usage = Some((tokens, cost)),
         }
         true
     }))
+}
+
+/// Writes session `id`'s kept changes to its row, with its counter, if it has any: for
+/// a read of the row's other columns, which the counter's write-back need not precede.
+pub(crate) fn flush_changes(connection: &mut Conn, id: &str) -> QueryResult<()> {
+    let changed = KEPT.with(|kept| match kept.borrow().as_ref() {
+        Some(Kept::Locked(counters)) => counters
+            .get(id)
+            .is_some_and(|counter| !counter.changes.is_empty()),
+        _ => false,
+    });
+    if changed {
+        write_back(connection, Some(id))?;
+    }
+    Ok(())
 }
 
 /// Writes the counters moved since the last flush to the table; they stay kept.
@@ -385,6 +403,12 @@ struct Moved {
     /// Tokens added, by kind, in [`Change::Usage`]'s order.
     tokens: [Vec<i64>; 5],
     costs: Vec<f64>,
+}
+
+impl Changes {
+    fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl Moved {

@@ -214,9 +214,11 @@ pub fn session_info(
     connection: &mut Conn,
     session_id: SessionId,
 ) -> Result<Option<SessionInfo>, Error> {
-    counters::flush(connection)?;
+    let id = session_id.to_string();
+    // Only its agent and model may be kept in memory (`event::counters`).
+    counters::flush_changes(connection, &id)?;
     Ok(on_backend!(connection, |c| session::table
-        .find(session_id.to_string())
+        .find(&id)
         .select(SessionInfoRow::as_select())
         .get_result(c))
     .optional()?

@@ -45,6 +45,7 @@ backend_tests!(
     a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_without_them,
     a_write_going_on_past_a_failed_statement_loses_no_other_write,
     a_batch_s_changes_to_its_sessions_rows_equal_a_replay_and_are_read_back_in_the_batch,
+    an_import_in_a_batch_for_several_sessions_projects_every_change_to_its_session,
 );
 
 /// `session_count`, which `GET /metrics` reads instead of counting the sessions, is kept
@@ -915,6 +916,50 @@ async fn a_batch_s_changes_to_its_sessions_rows_equal_a_replay_and_are_read_back
         assert_eq!(last, replayed_last, "{session}");
         assert_eq!(original, rebuilt, "{session}");
     }
+}
+
+/// An import numbers its events in the table, not in what a batch keeps for several
+/// sessions (see `event::counters`): a page imported in such a batch, after another
+/// session's append there, projects each of its events onto the session's row as a
+/// replay does.
+async fn an_import_in_a_batch_for_several_sessions_projects_every_change_to_its_session(
+    db: TestDb,
+) {
+    use keel_core::event::log;
+
+    let source_db = TestDb::sqlite();
+    let source = source_db.open().await;
+    let imported = new_session(&source).await;
+    source
+        .append(imported, vec![renamed("imported")])
+        .await
+        .unwrap();
+    let log = source.read_log(imported, 0, 100).await.unwrap();
+    let (first, rest) = (log[..1].to_vec(), log[1..].to_vec());
+
+    let store = one_writer(&db).await;
+    let other = new_session(&store).await;
+    store
+        .write_for(imported, move |c| log::import(c, &first))
+        .await
+        .unwrap();
+    let before = store.stats();
+    let (appended, page) = in_one_batch(&store, async {
+        tokio::join!(
+            store.write_for(other, move |c| {
+                log::append(c, T0, other, vec![renamed("other")])
+            }),
+            store.write_for(imported, move |c| log::import(c, &rest)),
+        )
+    })
+    .await;
+    one_batch(&store, before, 2);
+    appended.unwrap();
+    page.unwrap();
+    assert_eq!(
+        snapshot(&store, imported).await,
+        snapshot(&source, imported).await
+    );
 }
 
 /// Checks that the `writes` writes since `before` (the stats then, before the writer was

@@ -508,7 +508,7 @@ struct Kept {
 
 /// The version of a message's row a kept message was written at: its session, and the
 /// seq of the event whose edit wrote it (`updated_seq`, which every edit moves on).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub(super) struct Version {
     session: SessionId,
     updated_seq: i64,
