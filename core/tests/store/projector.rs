@@ -25,6 +25,7 @@ backend_tests!(
     a_reply_is_projected_only_onto_a_pending_request_of_its_kind,
     an_edit_rolled_back_leaves_nothing_in_the_next_edit_of_its_message,
     an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here,
+    a_call_that_may_run_again_is_marked_in_its_row_whether_streamed_or_not,
 );
 
 fn step_started(id: MessageId) -> DurableEvent {
@@ -720,4 +721,60 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
         .await
         .unwrap();
     assert_eq!(original, rebuilt);
+}
+
+/// `tool.called`'s `rerun` marks the call's row (which recovery reads to run it again
+/// after a crash), whether its input streamed first (the row exists, pending) or not.
+async fn a_call_that_may_run_again_is_marked_in_its_row_whether_streamed_or_not(db: TestDb) {
+    use diesel::prelude::*;
+    use keel_core::store::schema::session_tool;
+
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    let [streamed, plain, once] = [(); 3].map(|()| CallId::new());
+    let called = |call, rerun| {
+        let DurableEvent::ToolCalled(mut e) = called(message, call, "read", Effect::Read) else {
+            unreachable!()
+        };
+        e.rerun = rerun;
+        DurableEvent::ToolCalled(e)
+    };
+    store
+        .append(
+            session,
+            vec![
+                step_started(message),
+                DurableEvent::ToolInputStarted(payload::ToolInputStarted {
+                    assistant_message_id: message,
+                    call_id: streamed,
+                    name: "read".into(),
+                }),
+                called(streamed, true),
+                called(plain, true),
+                called(once, false),
+            ],
+        )
+        .await
+        .unwrap();
+    let marked = |call: CallId| {
+        let store = store.clone();
+        async move {
+            store
+                .read(move |c| {
+                    Ok::<_, Error>(
+                        session_tool::table
+                            .filter(session_tool::call_id.eq(call.to_string()))
+                            .select(session_tool::rerun)
+                            .get_result::<bool>(c)
+                            .unwrap(),
+                    )
+                })
+                .await
+                .unwrap()
+        }
+    };
+    assert!(marked(streamed).await, "streamed, then called to run again");
+    assert!(marked(plain).await, "called to run again");
+    assert!(!marked(once).await, "called to run once");
 }

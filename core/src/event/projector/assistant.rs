@@ -224,6 +224,7 @@ impl Projection<'_> {
             status: "pending",
             provider_executed: false,
             input: None,
+            rerun: false,
         }
         .execute(self.connection)?;
         Ok(())
@@ -280,6 +281,7 @@ impl Projection<'_> {
                 effect: &effect,
                 provider_executed: e.provider_executed,
                 input: &input,
+                rerun: e.rerun,
             }
             .execute(self.connection)?;
         } else {
@@ -292,13 +294,9 @@ impl Projection<'_> {
                 status: "running",
                 provider_executed: e.provider_executed,
                 input: Some(&input),
+                rerun: e.rerun,
             }
             .execute(self.connection)?;
-        }
-        if e.rerun {
-            diesel::update(session_tool::table.find((session_id, call_id)))
-                .set(session_tool::rerun.eq(true))
-                .execute(self.connection)?;
         }
         Ok(())
     }

@@ -110,15 +110,17 @@ fixed_query! {
         status: &'a str,
         provider_executed: bool,
         input: Option<&'a str>,
+        rerun: bool,
     }
-    sql r#"INSERT INTO "session_tool" ("session_id", "call_id", "message_id", "name", "effect", "status", "provider_executed", "input") VALUES ("#
+    sql r#"INSERT INTO "session_tool" ("session_id", "call_id", "message_id", "name", "effect", "status", "provider_executed", "input", "rerun") VALUES ("#
         {session_id: Text} ", " {call_id: Text} ", " {message_id: Text} ", " {name: Text} ", "
         {effect: Nullable<Text>} ", " {status: Text} ", " {provider_executed: Bool} ", "
-        {input: Nullable<Text>} ")"
+        {input: Nullable<Text>} ", " {rerun: Bool} ")"
 }
 
 fixed_query! {
-    /// A streamed call, called: its row gets the parsed input.
+    /// A streamed call, called: its row gets the parsed input, and may run again after a
+    /// crash if its call says so (a row once marked stays marked).
     pub(super) struct CallTool<'a> {
         session_id: &'a str,
         call_id: &'a str,
@@ -126,10 +128,11 @@ fixed_query! {
         effect: &'a str,
         provider_executed: bool,
         input: &'a str,
+        rerun: bool,
     }
     sql r#"UPDATE "session_tool" SET "name" = "# {name: Text} r#", "effect" = "# {effect: Text}
         r#", "status" = 'running', "provider_executed" = "# {provider_executed: Bool}
-        r#", "input" = "# {input: Text}
+        r#", "input" = "# {input: Text} r#", "rerun" = "rerun" OR "# {rerun: Bool}
         r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
 }
 
