@@ -12,14 +12,15 @@ use keel_schema::types::{ErrorInfo, Usage};
 use serde_json::Value;
 
 use super::statements::{
-    CallTool, InsertTool, ResolveTool, SetMessageData, SetMessageDataIf, SettleRequests,
+    CallTool, InsertTool, ResolveAndSettle, ResolveTool, SetMessageData, SetMessageDataIf,
+    SettleRequests,
 };
 use super::{Projection, ToolOutput};
 use crate::event::rows;
 use crate::store::column::text_of;
 use crate::store::on_backend;
 use crate::store::schema::{session_message, session_tool};
-use crate::store::{Error, is_in_savepoint};
+use crate::store::{Conn, Error, is_in_savepoint};
 
 impl Projection<'_> {
     /// Loads this session's assistant message `id`, lets `change` edit it, and stores it.
@@ -358,19 +359,38 @@ impl Projection<'_> {
             }
             Ok(())
         })?;
-        let call_id = call_id.to_string();
-        ResolveTool {
-            session_id: self.session_id,
-            call_id: &call_id,
-            status,
-            output: &written,
+        self.resolve_row(&call_id.to_string(), status, &written)
+    }
+
+    /// Resolves call `call_id`'s row with `status` and `output`, and settles its
+    /// requests.
+    fn resolve_row(&mut self, call_id: &str, status: &str, output: &str) -> Result<(), Error> {
+        let session_id = self.session_id;
+        match self.connection {
+            Conn::Pg(_) => {
+                ResolveAndSettle {
+                    session_id,
+                    call_id,
+                    status,
+                    output,
+                }
+                .execute(self.connection)?;
+            }
+            Conn::Sqlite(_) => {
+                ResolveTool {
+                    session_id,
+                    call_id,
+                    status,
+                    output,
+                }
+                .execute(self.connection)?;
+                SettleRequests {
+                    session_id,
+                    call_id,
+                }
+                .execute(self.connection)?;
+            }
         }
-        .execute(self.connection)?;
-        SettleRequests {
-            session_id: self.session_id,
-            call_id: &call_id,
-        }
-        .execute(self.connection)?;
         Ok(())
     }
 
@@ -438,21 +458,8 @@ impl Projection<'_> {
         if let Some(reason) = unresolved {
             let output = serde_json::to_string(&ToolOutput::Failure { error: reason })
                 .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;
-            let session_id = self.session_id;
             for call_id in failed {
-                let call_id = call_id.to_string();
-                ResolveTool {
-                    session_id,
-                    call_id: &call_id,
-                    status: "error",
-                    output: &output,
-                }
-                .execute(self.connection)?;
-                SettleRequests {
-                    session_id,
-                    call_id: &call_id,
-                }
-                .execute(self.connection)?;
+                self.resolve_row(&call_id.to_string(), "error", &output)?;
             }
         }
         match usage {

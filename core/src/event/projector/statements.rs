@@ -143,6 +143,18 @@ fixed_query! {
 }
 
 fixed_query! {
+    /// [`ResolveTool`] and [`SettleRequests`] in one statement, for PostgreSQL, where each
+    /// is a round trip (the settling usually changes nothing: few calls ask anything).
+    /// SQLite, without data-modifying `WITH`, runs the two.
+    pub(super) struct ResolveAndSettle<'a> { session_id: &'a str, call_id: &'a str, status: &'a str, output: &'a str }
+    sql r#"WITH "settled" AS (UPDATE "session_request" SET "state" = 'settled' WHERE "session_id" = "#
+        {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+        r#" AND "state" <> 'settled') UPDATE "session_tool" SET "status" = "# {status: Text}
+        r#", "output" = "# {output: Text} r#" WHERE "session_id" = "# {session_id: Text}
+        r#" AND "call_id" = "# {call_id: Text}
+}
+
+fixed_query! {
     /// A permission request or a question, asked.
     pub(super) struct InsertRequest<'a> {
         id: &'a str,
