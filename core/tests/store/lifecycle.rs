@@ -288,6 +288,23 @@ pub type RequestRow = (
     Option<String>,
 );
 
+/// Replays `session`'s log from `store` into a fresh SQLite database and checks that
+/// it projects every row `store` holds for the session, exactly.
+pub async fn assert_replay_projects_the_same_rows(store: &Store, session: SessionId) {
+    let target_db = crate::support::TestDb::sqlite();
+    let target = target_db.open().await;
+    keel_core::event::replay::session(store, &target, session)
+        .await
+        .unwrap();
+    let dump = |store: Store| async move {
+        store
+            .read(move |c| Ok::<_, keel_core::store::Error>(rows(c, session)))
+            .await
+            .unwrap()
+    };
+    assert_eq!(dump(store.clone()).await, dump(target).await, "{session}");
+}
+
 pub fn rows(connection: &mut Conn, id: SessionId) -> Rows {
     let id = id.to_string();
     let session = session::table

@@ -37,6 +37,29 @@ fn step_started(id: MessageId) -> DurableEvent {
     })
 }
 
+fn text_started(message: MessageId, ordinal: u32) -> DurableEvent {
+    DurableEvent::TextStarted(payload::TextStarted {
+        assistant_message_id: message,
+        ordinal,
+    })
+}
+
+fn text_ended(message: MessageId, ordinal: u32, text: &str) -> DurableEvent {
+    DurableEvent::TextEnded(payload::TextEnded {
+        assistant_message_id: message,
+        ordinal,
+        text: text.into(),
+    })
+}
+
+fn reasoning_started(message: MessageId, ordinal: u32) -> DurableEvent {
+    DurableEvent::ReasoningStarted(payload::ReasoningStarted {
+        assistant_message_id: message,
+        ordinal,
+        provider_metadata: None,
+    })
+}
+
 fn called(message: MessageId, call: CallId, name: &str, effect: Effect) -> DurableEvent {
     DurableEvent::ToolCalled(payload::ToolCalled {
         assistant_message_id: message,
@@ -508,33 +531,23 @@ async fn an_edit_rolled_back_leaves_nothing_in_the_next_edit_of_its_message(db: 
     let store = db.open().await;
     let session = new_session(&store).await;
     let message = MessageId::new();
-    let started = move |ordinal| {
-        DurableEvent::TextStarted(payload::TextStarted {
-            assistant_message_id: message,
-            ordinal,
-        })
-    };
     store
-        .append(session, vec![step_started(message), started(0)])
+        .append(
+            session,
+            vec![step_started(message), text_started(message, 0)],
+        )
         .await
         .unwrap();
     // The fragment opens, then the write fails: its transaction is rolled back.
     let failed = store
         .write(move |c| {
-            log::append(c, 0, session, vec![started(1)])?;
+            log::append(c, 0, session, vec![text_started(message, 1)])?;
             Err::<(), _>(Error::Corrupt("the write fails after its edit".into()))
         })
         .await;
     assert!(failed.is_err());
     store
-        .append(
-            session,
-            vec![DurableEvent::TextEnded(payload::TextEnded {
-                assistant_message_id: message,
-                ordinal: 0,
-                text: "hello".into(),
-            })],
-        )
+        .append(session, vec![text_ended(message, 0, "hello")])
         .await
         .unwrap();
     let messages = store
@@ -575,26 +588,6 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
     let there = db.open().await;
     let session = new_session(&here).await;
     let message = MessageId::new();
-    let text_started = move |ordinal| {
-        DurableEvent::TextStarted(payload::TextStarted {
-            assistant_message_id: message,
-            ordinal,
-        })
-    };
-    let text_ended = move |ordinal, text: &str| {
-        DurableEvent::TextEnded(payload::TextEnded {
-            assistant_message_id: message,
-            ordinal,
-            text: text.into(),
-        })
-    };
-    let reasoning_started = move |ordinal| {
-        DurableEvent::ReasoningStarted(payload::ReasoningStarted {
-            assistant_message_id: message,
-            ordinal,
-            provider_metadata: None,
-        })
-    };
     let parts = |store: Store| async move {
         let messages = store
             .read(move |c| view::messages(c, session))
@@ -616,14 +609,17 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
     };
 
     // Here the step starts and a fragment opens; there another opens; here the first ends.
-    here.append(session, vec![step_started(message), text_started(0)])
-        .await
-        .unwrap();
+    here.append(
+        session,
+        vec![step_started(message), text_started(message, 0)],
+    )
+    .await
+    .unwrap();
     there
-        .append(session, vec![reasoning_started(0)])
+        .append(session, vec![reasoning_started(message, 0)])
         .await
         .unwrap();
-    here.append(session, vec![text_ended(0, "one")])
+    here.append(session, vec![text_ended(message, 0, "one")])
         .await
         .unwrap();
     assert_eq!(
@@ -636,18 +632,21 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
     // another edit; here the next edit must start from that one.
     let failed = here
         .write(move |c| {
-            log::append(c, 0, session, vec![text_started(1)])?;
+            log::append(c, 0, session, vec![text_started(message, 1)])?;
             Err::<(), _>(Error::Corrupt("the write fails after its edit".into()))
         })
         .await;
     assert!(failed.is_err());
     let taken = there
-        .append(session, vec![reasoning_started(1)])
+        .append(session, vec![reasoning_started(message, 1)])
         .await
         .unwrap();
-    here.append(session, vec![text_started(2), text_ended(2, "two")])
-        .await
-        .unwrap();
+    here.append(
+        session,
+        vec![text_started(message, 2), text_ended(message, 2, "two")],
+    )
+    .await
+    .unwrap();
     assert_eq!(
         parts(here.clone()).await,
         vec![text(0, "one"), reasoning(0), reasoning(1), text(2, "two")],
@@ -658,7 +657,7 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
     // The same, the edit here undone by a savepoint of its write's own.
     here.write_for(session, move |c| {
         let undone = diesel::Connection::transaction::<(), Error, _>(c, |c| {
-            log::append(c, 0, session, vec![text_started(3)])?;
+            log::append(c, 0, session, vec![text_started(message, 3)])?;
             Err(diesel::result::Error::RollbackTransaction.into())
         });
         assert!(undone.is_err());
@@ -667,10 +666,12 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
     .await
     .unwrap();
     there
-        .append(session, vec![reasoning_started(3)])
+        .append(session, vec![reasoning_started(message, 3)])
         .await
         .unwrap();
-    here.append(session, vec![text_started(4)]).await.unwrap();
+    here.append(session, vec![text_started(message, 4)])
+        .await
+        .unwrap();
 
     // The same, the edit here undone by the savepoint its write runs in when its batch
     // runs again, one write by one, after that write failed.
@@ -678,7 +679,7 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
     let (failed, went_on) = crate::log::in_one_batch(&here, async {
         tokio::join!(
             here.write_for(session, move |c| {
-                log::append(c, 0, session, vec![text_started(5)])?;
+                log::append(c, 0, session, vec![text_started(message, 5)])?;
                 Err::<(), _>(Error::Corrupt("the write fails after its edit".into()))
             }),
             here.write_for(other, move |c| {
@@ -697,30 +698,19 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
     assert!(failed.is_err());
     went_on.unwrap();
     there
-        .append(session, vec![reasoning_started(5)])
+        .append(session, vec![reasoning_started(message, 5)])
         .await
         .unwrap();
-    here.append(session, vec![text_started(6)]).await.unwrap();
+    here.append(session, vec![text_started(message, 6)])
+        .await
+        .unwrap();
     assert_eq!(
         parts(here.clone()).await[4..],
         [reasoning(3), text(4, ""), reasoning(5), text(6, "")]
     );
 
     // And the rows are what a replay of the log projects.
-    let target_db = TestDb::sqlite();
-    let target = target_db.open().await;
-    keel_core::event::replay::session(&here, &target, session)
-        .await
-        .unwrap();
-    let original = here
-        .read(move |c| Ok::<_, Error>(rows(c, session)))
-        .await
-        .unwrap();
-    let rebuilt = target
-        .read(move |c| Ok::<_, Error>(rows(c, session)))
-        .await
-        .unwrap();
-    assert_eq!(original, rebuilt);
+    lifecycle::assert_replay_projects_the_same_rows(&here, session).await;
 }
 
 /// `tool.called`'s `rerun` marks the call's row (which recovery reads to run it again
