@@ -26,9 +26,11 @@ use diesel::prelude::*;
 use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{MessageId, SessionId};
 
-use crate::event::log;
+use crate::event::view::{SessionInfo, SessionInfoRow};
+use crate::event::{counters, log};
 use crate::store::column::from_db_int;
-use crate::store::schema::context_epoch;
+use crate::store::on_backend;
+use crate::store::schema::{context_epoch, session};
 use crate::store::{self, Conn, load_at_most};
 
 /// A session's current context epoch.
@@ -53,36 +55,62 @@ struct Row {
     effective_system: String,
 }
 
+impl Row {
+    fn into_epoch(self) -> Result<Epoch, store::Error> {
+        Ok(Epoch {
+            epoch: u32::try_from(self.epoch).map_err(|_| {
+                store::Error::Corrupt(format!("context_epoch.epoch is {}", self.epoch))
+            })?,
+            baseline_seq: from_db_int(self.baseline_seq)?,
+            system: self.system,
+            effective_system: self.effective_system,
+        })
+    }
+}
+
 /// The session's current epoch, or `None` before its first step.
 pub fn current(connection: &mut Conn, session: SessionId) -> Result<Option<Epoch>, store::Error> {
     let query = context_epoch::table
         .find(session.to_string())
         .select(Row::as_select());
     let row: Option<Row> = load_at_most(connection, query, 1)?.pop();
-    row.map(|row| {
-        Ok(Epoch {
-            epoch: u32::try_from(row.epoch).map_err(|_| {
-                store::Error::Corrupt(format!("context_epoch.epoch is {}", row.epoch))
-            })?,
-            baseline_seq: from_db_int(row.baseline_seq)?,
-            system: row.system,
-            effective_system: row.effective_system,
-        })
-    })
-    .transpose()
+    row.map(Row::into_epoch).transpose()
 }
 
-/// Before a step, inside its fenced transaction: brings the session's context in line
-/// with the agent's `system` prompt. A session without an epoch starts epoch 1 with it;
+/// What [`crate::event::view::session_info`] reads and the session's current epoch, in one statement:
+/// a step's boundary needs both. `None` for an unknown session.
+pub fn with_session(
+    connection: &mut Conn,
+    session: SessionId,
+) -> Result<Option<(SessionInfo, Option<Epoch>)>, store::Error> {
+    let id = session.to_string();
+    // Only its agent and model may be kept in memory (`event::counters`).
+    counters::flush_changes(connection, &id)?;
+    let row: Option<(SessionInfoRow, Option<Row>)> = on_backend!(connection, |c| {
+        session::table
+            .left_join(context_epoch::table.on(context_epoch::session_id.eq(session::id)))
+            .filter(session::id.eq(&id))
+            .select((SessionInfoRow::as_select(), Option::<Row>::as_select()))
+            .get_result(c)
+    })
+    .optional()?;
+    row.map(|(info, epoch)| Ok((info.into(), epoch.map(Row::into_epoch).transpose()?)))
+        .transpose()
+}
+
+/// Before a step, inside its fenced transaction: brings the session's context, `current`
+/// as read in that transaction ([`with_session`]), in line with the agent's `system`
+/// prompt. A session without an epoch starts epoch 1 with it;
 /// one whose effective prompt differs gets `context.system_updated`. Returns the epoch's
 /// system prompt (the one the step's request starts with) and what was written.
 pub fn establish(
     connection: &mut Conn,
     now: i64,
     session: SessionId,
+    current: Option<Epoch>,
     system: &str,
 ) -> Result<(String, Vec<Envelope>), store::Error> {
-    let event = match current(connection, session)? {
+    let event = match current {
         None => DurableEvent::ContextEpochStarted(payload::ContextEpochStarted {
             epoch: 1,
             system: system.to_owned(),

@@ -201,7 +201,7 @@ pub struct SessionInfo {
 /// The columns of `session` that [`SessionInfo`] comes from.
 #[derive(Debug, Queryable, Selectable)]
 #[diesel(table_name = session)]
-struct SessionInfoRow {
+pub(crate) struct SessionInfoRow {
     directory: String,
     agent: String,
     model_provider: String,
@@ -222,15 +222,21 @@ pub fn session_info(
         .select(SessionInfoRow::as_select())
         .get_result(c))
     .optional()?
-    .map(|row| SessionInfo {
-        directory: row.directory,
-        agent: row.agent,
-        model: ModelRef {
-            provider: row.model_provider,
-            id: row.model_id,
-        },
-        deleted: row.deleted_at.is_some(),
-    }))
+    .map(SessionInfo::from))
+}
+
+impl From<SessionInfoRow> for SessionInfo {
+    fn from(row: SessionInfoRow) -> Self {
+        SessionInfo {
+            directory: row.directory,
+            agent: row.agent,
+            model: ModelRef {
+                provider: row.model_provider,
+                id: row.model_id,
+            },
+            deleted: row.deleted_at.is_some(),
+        }
+    }
 }
 
 /// The calls of an assistant message that are neither completed nor failed.

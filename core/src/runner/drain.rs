@@ -250,7 +250,10 @@ impl Engine {
                     }
                     let promotion = inbox::promote_into(c, now, session, boundary, &mut written)?;
                     transcript.refresh(c, session)?;
-                    let info = view::session_info(c, session)?;
+                    let (info, current) = match epoch::with_session(c, session)? {
+                        Some((info, epoch)) => (Some(info), epoch),
+                        None => (None, None),
+                    };
                     let next = next_step(
                         &promotion,
                         boundary,
@@ -269,12 +272,13 @@ impl Engine {
                                     instructions::system_prompt(&agent.system, project)
                                 }
                                 // Unreadable for now: the prompt in effect stays.
-                                None => epoch::current(c, session)?.map_or_else(
+                                None => current.as_ref().map_or_else(
                                     || agent.system.clone(),
-                                    |epoch| epoch.effective_system,
+                                    |epoch| epoch.effective_system.clone(),
                                 ),
                             };
-                            let (system, envelopes) = epoch::establish(c, now, session, &wanted)?;
+                            let (system, envelopes) =
+                                epoch::establish(c, now, session, current, &wanted)?;
                             if !envelopes.is_empty() {
                                 written.extend(envelopes);
                                 transcript.refresh(c, session)?;

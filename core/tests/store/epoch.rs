@@ -2,6 +2,7 @@
 //! rolled back with everything else of their transaction.
 
 use keel_core::epoch::{self, Epoch};
+use keel_core::event::view;
 use keel_core::execution::{self, Claim, Error};
 use keel_core::inbox::{self, Boundary, Promotion};
 use keel_core::recovery;
@@ -57,7 +58,11 @@ async fn boundary(store: &Store, claim: Claim, system: &'static str) -> Result<S
                             other => panic!("{other}"),
                         })?;
                 assert!(matches!(promotion, Promotion::Prompts(_)), "{promotion:?}");
-                let (system, _) = epoch::establish(c, now, claim.session_id, system)?;
+                // As the runner reads it: with the session's row, in one statement.
+                let (info, current) = epoch::with_session(c, claim.session_id)?.unwrap();
+                assert_eq!(current, epoch::current(c, claim.session_id)?);
+                assert_eq!(Some(info), view::session_info(c, claim.session_id)?);
+                let (system, _) = epoch::establish(c, now, claim.session_id, current, system)?;
                 Ok(system)
             })
         })
@@ -86,6 +91,11 @@ async fn compacted(store: &Store, claim: Claim, baseline_seq: u64) -> Result<(),
 
 async fn the_first_step_starts_epoch_one_and_a_changed_prompt_is_appended_once(db: TestDb) {
     let store = db.open().await;
+    // Another session's epoch, which nothing of this session's reads.
+    let other = new_session(&store).await;
+    let other_claim = claimed(&store, other).await;
+    admit(&store, other, "elsewhere", Delivery::Queue).await;
+    assert_eq!(boundary(&store, other_claim, "Z").await.unwrap(), "Z");
     let session = new_session(&store).await;
     let claim = claimed(&store, session).await;
     admit(&store, session, "one", Delivery::Queue).await;

@@ -26,6 +26,7 @@ backend_tests!(
     an_edit_rolled_back_leaves_nothing_in_the_next_edit_of_its_message,
     an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here,
     a_call_that_may_run_again_is_marked_in_its_row_whether_streamed_or_not,
+    a_call_its_row_does_not_allow_is_refused_and_changes_nothing,
 );
 
 fn step_started(id: MessageId) -> DurableEvent {
@@ -767,4 +768,117 @@ async fn a_call_that_may_run_again_is_marked_in_its_row_whether_streamed_or_not(
     assert!(marked(streamed).await, "streamed, then called to run again");
     assert!(marked(plain).await, "called to run again");
     assert!(!marked(once).await, "called to run once");
+}
+
+fn input_started(message: MessageId, call: CallId) -> DurableEvent {
+    DurableEvent::ToolInputStarted(payload::ToolInputStarted {
+        assistant_message_id: message,
+        call_id: call,
+        name: "read".into(),
+    })
+}
+
+/// A call is written without reading its row first: its message says whether its input
+/// streamed, and the row's insert or update is conditional. Every event the row does not
+/// allow is still refused with its reason, alone or behind edits of its batch, and leaves
+/// every row as it was; the message edits after a refusal start from the rows.
+async fn a_call_its_row_does_not_allow_is_refused_and_changes_nothing(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let (first, second) = (MessageId::new(), MessageId::new());
+    let [streaming, plain, resolved] = [(); 3].map(|()| CallId::new());
+    store
+        .append(
+            session,
+            vec![
+                step_started(first),
+                input_started(first, streaming),
+                called(first, plain, "read", Effect::Read),
+                called(first, resolved, "read", Effect::Read),
+                success(resolved),
+            ],
+        )
+        .await
+        .unwrap();
+    let before = store
+        .read(move |c| Ok::<_, Error>(rows(c, session)))
+        .await
+        .unwrap();
+    let refused: [(Vec<DurableEvent>, &str); 8] = [
+        // Streamed under the first message, called by the second.
+        (
+            vec![
+                step_started(second),
+                called(second, streaming, "read", Effect::Read),
+            ],
+            "started by another message",
+        ),
+        (
+            vec![called(first, plain, "read", Effect::Read)],
+            "already called",
+        ),
+        (
+            vec![called(first, resolved, "read", Effect::Read)],
+            "already called",
+        ),
+        // Another message's call, called again here without streaming.
+        (
+            vec![
+                step_started(second),
+                called(second, plain, "read", Effect::Read),
+            ],
+            "already called",
+        ),
+        (vec![input_started(first, plain)], "already open"),
+        (
+            vec![step_started(second), input_started(second, streaming)],
+            "already exists",
+        ),
+        // Edits of the message in the same batch, then the refusal.
+        (
+            vec![
+                text_started(first, 7),
+                called(first, streaming, "read", Effect::Read),
+                success(streaming),
+                success(resolved),
+            ],
+            "already resolved",
+        ),
+        (
+            vec![text_started(first, 7), success(CallId::new())],
+            "no tool call",
+        ),
+    ];
+    for (events, reason) in refused {
+        let err = store.append(session, events).await.unwrap_err();
+        assert!(err.to_string().contains(reason), "{reason}: {err}");
+        let after = store
+            .read(move |c| Ok::<_, Error>(rows(c, session)))
+            .await
+            .unwrap();
+        assert_eq!(after, before, "{reason}: the refusal changed the rows");
+    }
+
+    // What the rows allow goes on from them.
+    store
+        .append(
+            session,
+            vec![
+                text_started(first, 7),
+                called(first, streaming, "read", Effect::Read),
+                success(streaming),
+                success(plain),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        tools(&store, session)
+            .await
+            .iter()
+            .map(|t| t.1.as_str())
+            .collect::<Vec<_>>(),
+        ["completed"; 3]
+    );
+    lifecycle::assert_replay_projects_the_same_rows(&store, session).await;
 }

@@ -17,6 +17,7 @@ use super::statements::{
 };
 use super::{Projection, ToolOutput};
 use crate::event::rows;
+use crate::store::Direct as _;
 use crate::store::column::text_of;
 use crate::store::on_backend;
 use crate::store::schema::{session_message, session_tool};
@@ -216,7 +217,7 @@ impl Projection<'_> {
                 provider_result: None,
             },
         )?;
-        InsertTool {
+        let inserted = InsertTool {
             session_id: self.session_id,
             call_id: &e.call_id.to_string(),
             message_id: &e.assistant_message_id.to_string(),
@@ -228,27 +229,21 @@ impl Projection<'_> {
             rerun: false,
         }
         .execute(self.connection)?;
+        if inserted == 0 {
+            return Err(self.refuse(format!("tool call {} already exists", e.call_id)));
+        }
         Ok(())
     }
 
+    /// A call, streamed or not. Its message says which: a call whose input streamed is in
+    /// it (pending). The row is written only as that allows (a streamed call's pending
+    /// under this message, none for another), and the row is read only when it did not,
+    /// to say why the event is refused: one statement per call instead of two.
     pub(super) fn tool_called(&mut self, e: &payload::ToolCalled) -> Result<(), Error> {
         let call_id = e.call_id;
-        let existing = self.tool_row(call_id)?;
-        let streamed = match &existing {
-            None => false,
-            Some(row) if row.status == "pending" => {
-                if row.message_id != e.assistant_message_id.to_string() {
-                    return Err(self.refuse(format!(
-                        "tool call {call_id} was started by another message"
-                    )));
-                }
-                true
-            }
-            Some(_) => return Err(self.refuse(format!("tool call {call_id} was already called"))),
-        };
         let input = e.input.clone();
         let (name, effect, provider_executed) = (e.name.clone(), e.effect, e.provider_executed);
-        self.edit_assistant(e.assistant_message_id, |view| {
+        let streamed = self.edit_assistant(e.assistant_message_id, |view| {
             view.require_open()?;
             let called = AssistantPart::Tool {
                 call_id,
@@ -261,35 +256,38 @@ impl Projection<'_> {
                 error: None,
                 provider_result: None,
             };
-            match view.tool_part(call_id) {
-                Some(part) if streamed => *part = called,
-                Some(_) => return Err(format!("tool call {call_id} is already in the message")),
-                None if streamed => {
-                    return Err(format!("tool call {call_id} is not in the message"));
+            Ok(match view.tool_part(call_id) {
+                Some(part) => {
+                    *part = called;
+                    true
                 }
-                None => view.parts.push(called),
-            }
-            Ok(())
+                None => {
+                    view.parts.push(called);
+                    false
+                }
+            })
         })?;
         let input = e.input.to_string();
         let effect = text_of(&e.effect);
-        let (session_id, call_id) = (self.session_id, &call_id.to_string());
-        if streamed {
+        let message_id = e.assistant_message_id.to_string();
+        let (session_id, call) = (self.session_id, &call_id.to_string());
+        let written = if streamed {
             CallTool {
                 session_id,
-                call_id,
+                call_id: call,
+                message_id: &message_id,
                 name: &e.name,
                 effect: &effect,
                 provider_executed: e.provider_executed,
                 input: &input,
                 rerun: e.rerun,
             }
-            .execute(self.connection)?;
+            .execute(self.connection)?
         } else {
             InsertTool {
                 session_id,
-                call_id,
-                message_id: &e.assistant_message_id.to_string(),
+                call_id: call,
+                message_id: &message_id,
                 name: &e.name,
                 effect: Some(&effect),
                 status: "running",
@@ -297,9 +295,22 @@ impl Projection<'_> {
                 input: Some(&input),
                 rerun: e.rerun,
             }
-            .execute(self.connection)?;
+            .execute(self.connection)?
+        };
+        if written == 1 {
+            return Ok(());
         }
-        Ok(())
+        let reason = match self.tool_row(call_id)? {
+            Some(row) if row.status != "pending" => {
+                format!("tool call {call_id} was already called")
+            }
+            Some(row) if row.message_id != message_id => {
+                format!("tool call {call_id} was started by another message")
+            }
+            Some(_) => format!("tool call {call_id} is not in the message"),
+            None => format!("tool call {call_id} is already in the message"),
+        };
+        Err(self.refuse(reason))
     }
 
     fn tool_row(&mut self, call_id: CallId) -> Result<Option<ToolRow>, Error> {
@@ -315,22 +326,40 @@ impl Projection<'_> {
         call_id: CallId,
         output: ToolOutput,
     ) -> Result<(), Error> {
-        let Some(row) = self.tool_row(call_id)? else {
-            return Err(self.refuse(format!("no tool call {call_id}")));
-        };
-        if matches!(row.status.as_str(), "completed" | "error") {
-            return Err(self.refuse(format!("tool call {call_id} is already resolved")));
-        }
-        let message_id: MessageId = row
-            .message_id
-            .parse()
-            .map_err(|err| Error::Corrupt(format!("tool call {call_id} message: {err}")))?;
         let status = match output {
             ToolOutput::Success { .. } => "completed",
             ToolOutput::Failure { .. } => "error",
         };
         let written = serde_json::to_string(&output)
             .map_err(|err| self.refuse(format!("tool output does not serialize: {err}")))?;
+        let call = call_id.to_string();
+        // The row, resolved only while it is not, names the message to edit. PostgreSQL
+        // resolves it and answers in one round trip; SQLite reads it (a lookup costs it
+        // less than a `RETURNING` clause) and resolves it after the edit.
+        let message_id = match self.connection {
+            Conn::Pg(_) => ResolveAndSettle {
+                session_id: self.session_id,
+                call_id: &call,
+                status,
+                output: &written,
+            }
+            .load_direct(self.connection)?
+            .pop(),
+            Conn::Sqlite(_) => self
+                .tool_row(call_id)?
+                .filter(|row| !matches!(row.status.as_str(), "completed" | "error"))
+                .map(|row| row.message_id),
+        };
+        let Some(message_id) = message_id else {
+            let reason = match self.tool_row(call_id)? {
+                Some(_) => format!("tool call {call_id} is already resolved"),
+                None => format!("no tool call {call_id}"),
+            };
+            return Err(self.refuse(reason));
+        };
+        let message_id: MessageId = message_id
+            .parse()
+            .map_err(|err| Error::Corrupt(format!("tool call {call_id} message: {err}")))?;
         self.edit_assistant(message_id, |view| {
             let part = view
                 .tool_part(call_id)
@@ -359,22 +388,25 @@ impl Projection<'_> {
             }
             Ok(())
         })?;
-        self.resolve_row(&call_id.to_string(), status, &written)
+        if let Conn::Sqlite(_) = self.connection {
+            self.resolve_row(&call, status, &written)?;
+        }
+        Ok(())
     }
 
-    /// Resolves call `call_id`'s row with `status` and `output`, and settles its
-    /// requests.
+    /// Resolves call `call_id`'s row with `status` and `output` if it is unresolved, and
+    /// settles its requests.
     fn resolve_row(&mut self, call_id: &str, status: &str, output: &str) -> Result<(), Error> {
         let session_id = self.session_id;
         match self.connection {
             Conn::Pg(_) => {
-                ResolveAndSettle {
+                let _resolved: Vec<String> = ResolveAndSettle {
                     session_id,
                     call_id,
                     status,
                     output,
                 }
-                .execute(self.connection)?;
+                .load_direct(self.connection)?;
             }
             Conn::Sqlite(_) => {
                 ResolveTool {

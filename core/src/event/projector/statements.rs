@@ -100,7 +100,9 @@ fixed_query! {
 }
 
 fixed_query! {
-    /// A tool call's row, when its input starts streaming (pending) or it is called.
+    /// A tool call's row, when its input starts streaming (pending) or it is called. A
+    /// call whose row exists inserts nothing: the projection then reads that row to say
+    /// why it refuses the event.
     pub(super) struct InsertTool<'a> {
         session_id: &'a str,
         call_id: &'a str,
@@ -115,15 +117,17 @@ fixed_query! {
     sql r#"INSERT INTO "session_tool" ("session_id", "call_id", "message_id", "name", "effect", "status", "provider_executed", "input", "rerun") VALUES ("#
         {session_id: Text} ", " {call_id: Text} ", " {message_id: Text} ", " {name: Text} ", "
         {effect: Nullable<Text>} ", " {status: Text} ", " {provider_executed: Bool} ", "
-        {input: Nullable<Text>} ", " {rerun: Bool} ")"
+        {input: Nullable<Text>} ", " {rerun: Bool} ") ON CONFLICT DO NOTHING"
 }
 
 fixed_query! {
     /// A streamed call, called: its row gets the parsed input, and may run again after a
-    /// crash if its call says so (a row once marked stays marked).
+    /// crash if its call says so (a row once marked stays marked). Only a row still
+    /// pending under the message calling it changes.
     pub(super) struct CallTool<'a> {
         session_id: &'a str,
         call_id: &'a str,
+        message_id: &'a str,
         name: &'a str,
         effect: &'a str,
         provider_executed: bool,
@@ -134,24 +138,30 @@ fixed_query! {
         r#", "status" = 'running', "provider_executed" = "# {provider_executed: Bool}
         r#", "input" = "# {input: Text} r#", "rerun" = "rerun" OR "# {rerun: Bool}
         r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+        r#" AND "message_id" = "# {message_id: Text} r#" AND "status" = 'pending'"#
 }
 
 fixed_query! {
+    /// A call resolved, if it was not already.
     pub(super) struct ResolveTool<'a> { session_id: &'a str, call_id: &'a str, status: &'a str, output: &'a str }
     sql r#"UPDATE "session_tool" SET "status" = "# {status: Text} r#", "output" = "# {output: Text}
         r#" WHERE "session_id" = "# {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
+        r#" AND "status" NOT IN ('completed', 'error')"#
 }
 
 fixed_query! {
     /// [`ResolveTool`] and [`SettleRequests`] in one statement, for PostgreSQL, where each
     /// is a round trip (the settling usually changes nothing: few calls ask anything).
-    /// SQLite, without data-modifying `WITH`, runs the two.
+    /// Only an unresolved row changes, and it names its message, which the projection
+    /// would otherwise read first. SQLite, without data-modifying `WITH`, runs the two.
     pub(super) struct ResolveAndSettle<'a> { session_id: &'a str, call_id: &'a str, status: &'a str, output: &'a str }
+    returns Text;
     sql r#"WITH "settled" AS (UPDATE "session_request" SET "state" = 'settled' WHERE "session_id" = "#
         {session_id: Text} r#" AND "call_id" = "# {call_id: Text}
         r#" AND "state" <> 'settled') UPDATE "session_tool" SET "status" = "# {status: Text}
         r#", "output" = "# {output: Text} r#" WHERE "session_id" = "# {session_id: Text}
         r#" AND "call_id" = "# {call_id: Text}
+        r#" AND "status" NOT IN ('completed', 'error') RETURNING "message_id""#
 }
 
 fixed_query! {
