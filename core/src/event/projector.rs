@@ -17,7 +17,7 @@
 mod assistant;
 mod statements;
 
-pub(crate) use assistant::forget_kept;
+pub(crate) use assistant::{forget_kept, forget_unwritten, write_unwritten};
 
 use diesel::prelude::*;
 use keel_schema::api::{AssistantPart, InputStatus, Message, StepEnd};
@@ -99,6 +99,7 @@ impl Projection<'_> {
     }
 
     fn refuse(&self, reason: impl Into<String>) -> Error {
+        assistant::refusing(self.session());
         let event = &self.envelope.event;
         Error::Projection {
             session: self.session(),

@@ -14,6 +14,7 @@ use keel_schema::id::{CallId, InputId, MessageId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, ModelRef, Usage};
 
 use super::counters;
+use crate::event::projector::write_unwritten;
 use crate::store::Direct as _;
 use crate::store::column::{from_db_int, parse_text};
 use crate::store::on_backend;
@@ -109,6 +110,8 @@ impl MessageRow {
 
 /// The projected transcript of a session, in seq order.
 pub fn messages(connection: &mut Conn, session_id: SessionId) -> Result<Vec<Message>, Error> {
+    // Edits the writer's batch has not written yet go first (`projector::write_unwritten`).
+    write_unwritten(connection, Some(session_id))?;
     on_backend!(connection, |c| session_message::table
         .filter(session_message::session_id.eq(session_id.to_string()))
         .order(session_message::seq.asc())
@@ -156,6 +159,7 @@ impl Transcript {
         connection: &mut Conn,
         session_id: SessionId,
     ) -> Result<usize, Error> {
+        write_unwritten(connection, Some(session_id))?;
         let rows: Vec<MessageRow> = on_backend!(connection, |c| session_message::table
             .filter(session_message::session_id.eq(session_id.to_string()))
             .filter(session_message::updated_seq.gt(self.through))

@@ -567,9 +567,9 @@ enum Attempt {
     /// the transaction on PostgreSQL, and it was rolled back: the batch runs again with
     /// savepoints.
     Aborted,
-    /// Event rows or counters the batch had gathered may have been undone or lost unseen
-    /// ([`doubt_gathered`]), and the transaction was rolled back: the batch runs again
-    /// gathering and keeping none.
+    /// Event rows, counters or message edits the batch had gathered or kept may have been
+    /// undone or lost unseen, or started from a stale copy ([`doubt_gathered`]), and the
+    /// transaction was rolled back: the batch runs again gathering and keeping none.
     Undone,
     /// A failpoint rolled the transaction back.
     Failpoint,
@@ -710,10 +710,12 @@ thread_local! {
     static DOUBTED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Says that what this thread gathered for its batch (event rows, kept counters) may
-/// have been undone or lost without the batch seeing it: written inside a write's own
-/// savepoint, which may be rolled back, or refused to a write that may go on. The batch
-/// then cannot commit; it runs again gathering nothing.
+/// Says that what this thread gathered for its batch (event rows, kept counters,
+/// unwritten message edits) may have been undone or lost without the batch seeing it:
+/// written inside a write's own savepoint, which may be rolled back, or refused to a
+/// write that may go on; or that edits started from a kept message another node had
+/// changed. The batch then cannot commit, nor a write's failure be told to it; it runs
+/// again gathering nothing.
 pub(crate) fn doubt_gathered() {
     DOUBTED.with(|doubted| doubted.set(true));
 }
@@ -738,8 +740,10 @@ impl Gathering {
         Self
     }
 
-    /// Writes what was gathered and kept before the commit.
+    /// Writes what was gathered and kept before the commit: the messages the batch's
+    /// edits left unwritten, the event rows, the counters.
     fn flush(connection: &mut Conn) -> diesel::QueryResult<()> {
+        crate::event::projector::write_unwritten(connection, None)?;
         rows::flush(connection)?;
         counters::flush(connection)
     }
@@ -747,6 +751,7 @@ impl Gathering {
 
 impl Drop for Gathering {
     fn drop(&mut self) {
+        crate::event::projector::forget_unwritten();
         rows::stop();
         counters::stop();
         DOUBTED.with(|doubted| doubted.set(false));
@@ -790,6 +795,12 @@ fn attempt_batch(
         if !succeeded && !savepoints {
             // Undoing the transaction undoes what the failed write did.
             rollback_all(connection);
+            if DOUBTED.with(Cell::get) {
+                // It may have failed on what the batch gathered or kept (a message another
+                // node edited before the batch's first edit of it): the batch runs again
+                // from the rows alone, which tells.
+                return Attempt::Undone;
+            }
             return Attempt::WriteFailed;
         }
     }
@@ -814,6 +825,11 @@ fn attempt_batch(
         } else {
             Attempt::FlushFailed(message)
         };
+    }
+    if DOUBTED.with(Cell::get) {
+        // A message another node edited before the batch's first edit of it.
+        rollback_all(connection);
+        return Attempt::Undone;
     }
 
     if fail {

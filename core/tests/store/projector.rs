@@ -27,6 +27,7 @@ backend_tests!(
     an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here,
     a_call_that_may_run_again_is_marked_in_its_row_whether_streamed_or_not,
     a_call_its_row_does_not_allow_is_refused_and_changes_nothing,
+    a_batch_s_unwritten_edits_are_read_in_it_and_outlast_its_savepoints,
 );
 
 fn step_started(id: MessageId) -> DurableEvent {
@@ -599,10 +600,6 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
         };
         parts.clone()
     };
-    let text = |ordinal, text: &str| AssistantPart::Text {
-        ordinal,
-        text: text.into(),
-    };
     let reasoning = |ordinal| AssistantPart::Reasoning {
         ordinal,
         text: String::new(),
@@ -709,6 +706,70 @@ async fn an_edit_made_by_another_node_is_in_the_next_edit_of_its_message_here(db
         parts(here.clone()).await[4..],
         [reasoning(3), text(4, ""), reasoning(5), text(6, "")]
     );
+
+    // Another node's edit, then here, in one write, an edit from the copy kept here and
+    // one only the other node's edit allows: refused on the stale copy, the write runs
+    // again from the rows, which allow it. The same for a call whose input started
+    // streaming on the other node, called here.
+    there
+        .append(session, vec![reasoning_started(message, 7)])
+        .await
+        .unwrap();
+    let reasoned = DurableEvent::ReasoningEnded(payload::ReasoningEnded {
+        assistant_message_id: message,
+        ordinal: 7,
+        text: "seven".into(),
+        provider_metadata: None,
+    });
+    here.append(session, vec![text_started(message, 8), reasoned])
+        .await
+        .unwrap();
+    let call = CallId::new();
+    there
+        .append(session, vec![input_started(message, call)])
+        .await
+        .unwrap();
+    here.append(
+        session,
+        vec![called(message, call, "read", Effect::Read), success(call)],
+    )
+    .await
+    .unwrap();
+
+    // Another node's edit, then here an edit and the step's end in one write: the edit
+    // waits unwritten, started from the copy kept here, and the end finds the row moved
+    // on; the write runs again from the rows and succeeds.
+    there
+        .append(session, vec![reasoning_started(message, 9)])
+        .await
+        .unwrap();
+    here.append(
+        session,
+        vec![
+            text_ended(message, 6, "six"),
+            DurableEvent::StepEnded(payload::StepEnded {
+                assistant_message_id: message,
+                finish: Finish::Stop,
+                usage: usage(1, 1),
+                cost: 0.0,
+            }),
+        ],
+    )
+    .await
+    .unwrap();
+    let all = parts(here.clone()).await;
+    let seven = AssistantPart::Reasoning {
+        ordinal: 7,
+        text: "seven".into(),
+        provider_metadata: None,
+    };
+    assert_eq!(all[7..10], [text(6, "six"), seven, text(8, "")]);
+    assert!(
+        matches!(&all[10], AssistantPart::Tool { call_id, status: ToolStatus::Completed, .. } if *call_id == call),
+        "{:?}",
+        all[10]
+    );
+    assert_eq!(all[11..], [reasoning(9)]);
 
     // And the rows are what a replay of the log projects.
     lifecycle::assert_replay_projects_the_same_rows(&here, session).await;
@@ -879,6 +940,82 @@ async fn a_call_its_row_does_not_allow_is_refused_and_changes_nothing(db: TestDb
             .map(|t| t.1.as_str())
             .collect::<Vec<_>>(),
         ["completed"; 3]
+    );
+    lifecycle::assert_replay_projects_the_same_rows(&store, session).await;
+}
+
+/// The text parts of the session's one assistant message in `messages`.
+fn assistant_parts(messages: &[Message]) -> Vec<AssistantPart> {
+    match messages {
+        [Message::Assistant { parts, .. }] => parts.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn text(ordinal: u32, text: &str) -> AssistantPart {
+    AssistantPart::Text {
+        ordinal,
+        text: text.into(),
+    }
+}
+
+/// In a plain batch an edit of an open step's message waits in memory for the batch's
+/// end (`projector::assistant::Stored::Unwritten`): what reads the session's messages in
+/// the batch sees every edit made before it, an edit or a refusal inside a write's own
+/// savepoint that is rolled back loses none of the batch's earlier edits, and the rows
+/// committed are what a replay projects.
+async fn a_batch_s_unwritten_edits_are_read_in_it_and_outlast_its_savepoints(db: TestDb) {
+    let store = db.open().await;
+    let session = new_session(&store).await;
+    let message = MessageId::new();
+    store
+        .write_for(session, move |c| {
+            let events = vec![step_started(message), text_started(message, 0)];
+            log::append(c, 0, session, events)?;
+            let read = view::messages(c, session)?;
+            assert_eq!(assistant_parts(&read), [text(0, "")], "a read in the batch");
+            let mut held = Transcript::default();
+            held.refresh(c, session)?;
+            log::append(c, 0, session, vec![text_ended(message, 0, "a")])?;
+            held.refresh(c, session)?;
+            assert_eq!(
+                assistant_parts(held.messages()),
+                [text(0, "a")],
+                "a held transcript brought up to date in the batch"
+            );
+            // An edit not written yet, then one in a savepoint that is rolled back.
+            log::append(c, 0, session, vec![text_started(message, 1)])?;
+            let undone = diesel::Connection::transaction::<(), Error, _>(c, |c| {
+                log::append(c, 0, session, vec![text_started(message, 2)])?;
+                Err(diesel::result::Error::RollbackTransaction.into())
+            });
+            assert!(undone.is_err());
+            log::append(c, 0, session, vec![text_ended(message, 1, "b")])?;
+            Ok::<_, Error>(())
+        })
+        .await
+        .unwrap();
+    store
+        .write_for(session, move |c| {
+            // An edit not written yet, then one refused in a savepoint.
+            log::append(c, 0, session, vec![text_started(message, 3)])?;
+            let refused = diesel::Connection::transaction::<(), Error, _>(c, |c| {
+                log::append(c, 0, session, vec![text_started(message, 3)])?;
+                Ok(())
+            });
+            assert!(refused.unwrap_err().to_string().contains("already open"));
+            log::append(c, 0, session, vec![text_ended(message, 3, "d")])?;
+            Ok::<_, Error>(())
+        })
+        .await
+        .unwrap();
+    let messages = store
+        .read(move |c| view::messages(c, session))
+        .await
+        .unwrap();
+    assert_eq!(
+        assistant_parts(&messages),
+        [text(0, "a"), text(1, "b"), text(3, "d")]
     );
     lifecycle::assert_replay_projects_the_same_rows(&store, session).await;
 }

@@ -21,23 +21,25 @@ use crate::store::Direct as _;
 use crate::store::column::text_of;
 use crate::store::on_backend;
 use crate::store::schema::{session_message, session_tool};
-use crate::store::{Conn, Error, is_in_savepoint};
+use crate::store::{Conn, Error, doubt_gathered, is_in_savepoint};
 
 impl Projection<'_> {
     /// Loads this session's assistant message `id`, lets `change` edit it, and stores it.
     ///
-    /// When this thread kept the message as it last wrote it, at a version (the
-    /// `updated_seq`) of a transaction still open or committed ([`Written`]), the edit
-    /// starts from that copy without reading the row, and stores it only if the row is
-    /// still at that version; otherwise (the row moved on, or `change` refused what may be
-    /// a stale copy) it reads the row and runs `change` again on what it holds.
+    /// When this thread kept the message ([`Written`]) at a version of its row, the edit
+    /// starts from that copy without reading the row; otherwise (nothing kept, `change`
+    /// refused a copy kept from an earlier transaction, or the row had moved on when the
+    /// edit was written at once) it reads the row and runs `change` on what it holds. In a plain batch outside a
+    /// write's own savepoint the edit is kept unwritten, for the batch's end or the next
+    /// read of the session's messages to write ([`write_unwritten`]); elsewhere, and for
+    /// the edit that ends the step, it is written at once.
     fn edit_assistant<T>(
         &mut self,
         id: MessageId,
         mut change: impl FnMut(&mut AssistantView<'_>) -> Result<T, String>,
     ) -> Result<T, Error> {
-        if let Some((message, kept_at)) = Written::take_current(id, self.session())
-            && let Some(value) = self.store_edit(id, message, Some(kept_at), &mut change)?
+        if let Some((message, base)) = Written::take_current(id, self.session())
+            && let Some(value) = self.store_edit(id, message, base, &mut change)?
         {
             return Ok(value);
         }
@@ -57,19 +59,24 @@ impl Projection<'_> {
             None => serde_json::from_str(&row.data)
                 .map_err(|err| Error::Corrupt(format!("message {id}: {err}")))?,
         };
-        let stored = self.store_edit(id, message, None, &mut change)?;
+        let base = Base::Read {
+            at: row.updated_seq,
+            size: row.data.len(),
+        };
+        let stored = self.store_edit(id, message, base, &mut change)?;
         Ok(stored.expect("an edit of the row as read is stored or refused"))
     }
 
-    /// Applies `change` to `message` and stores it. A message `kept_at` a version is not
-    /// known to be the row's: it is stored only if the row is still at that version, and
-    /// `None` comes back when it is not, or when `change` refuses it, for the caller to
-    /// read the row.
+    /// Applies `change` to `message`, which came from `base`, and stores it. `None` comes
+    /// back, for the caller to read the row, when `message` was kept from an earlier
+    /// transaction and may be stale: `change` refused it, or the row was not at its
+    /// version any more. A change that refuses leaves the message as it was (checked in
+    /// debug builds): a copy with unwritten edits is kept again as it was.
     fn store_edit<T>(
         &mut self,
         id: MessageId,
         mut message: Message,
-        kept_at: Option<i64>,
+        base: Base,
         change: &mut impl FnMut(&mut AssistantView<'_>) -> Result<T, String>,
     ) -> Result<Option<T>, Error> {
         let Message::Assistant {
@@ -88,29 +95,53 @@ impl Projection<'_> {
             usage,
             cost,
         };
+        #[cfg(debug_assertions)]
+        let before = view.parts.clone();
         let value = match change(&mut view) {
             Ok(value) => value,
-            Err(_) if kept_at.is_some() => return Ok(None),
-            Err(reason) => return Err(self.refuse(reason)),
+            Err(reason) => {
+                #[cfg(debug_assertions)]
+                debug_assert!(
+                    *view.parts == before,
+                    "a refused change leaves the message as it was"
+                );
+                match base {
+                    Base::Kept { .. } => return Ok(None),
+                    Base::Read { .. } => {}
+                    // It holds the batch's earlier edits, which no row has yet, and the
+                    // write may go on past the refusal (a savepoint's rollback).
+                    Base::Unwritten {
+                        at,
+                        size,
+                        version,
+                        checked,
+                    } => {
+                        Written::keep_unwritten(id, message, version, at, size, checked);
+                    }
+                }
+                return Err(self.refuse(reason));
+            }
         };
         let ended = view.end.is_some();
+        let version = self.version_to_keep()?;
+        if let (Some(version), false) = (version, ended) {
+            // The row waits for the batch's end, or for a read of the transcript.
+            Written::keep_unwritten(id, message, version, base.at(), base.size(), base.checked());
+            return Ok(Some(value));
+        }
+        if let Base::Unwritten { .. } = base {
+            // Inside a write's own savepoint, whose rollback would undo this write of the
+            // batch's earlier edits too, or the step's end; either way the batch cannot
+            // count on the row holding them unless the write below stands.
+            if version.is_none() {
+                doubt_gathered();
+            }
+        }
         let data = serde_json::to_string(&message)
             .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
         let (id_text, seq) = (id.to_string(), self.seq()?);
-        match kept_at {
-            Some(kept_at) => {
-                let stored = SetMessageDataIf {
-                    id: &id_text,
-                    data: &data,
-                    seq,
-                    kept_at,
-                }
-                .execute(self.connection)?;
-                if stored == 0 {
-                    return Ok(None);
-                }
-            }
-            None => {
+        match base {
+            Base::Read { .. } => {
                 SetMessageData {
                     id: &id_text,
                     data: &data,
@@ -118,10 +149,27 @@ impl Projection<'_> {
                 }
                 .execute(self.connection)?;
             }
+            Base::Kept { at, .. } | Base::Unwritten { at, .. } => {
+                let stored = SetMessageDataIf {
+                    id: &id_text,
+                    data: &data,
+                    seq,
+                    kept_at: at,
+                }
+                .execute(self.connection)?;
+                if stored == 0 {
+                    if let Base::Unwritten { .. } = base {
+                        // Another node edited the row before this batch's first edit:
+                        // every edit of the batch started from a stale copy.
+                        doubt_gathered();
+                        return Err(self.refuse(format!("message {id} changed under the batch")));
+                    }
+                    return Ok(None);
+                }
+            }
         }
         // An ended step's message is not edited again.
         if !ended {
-            let version = self.version_to_keep()?;
             Written::keep(id, data, message, version);
         }
         Ok(Some(value))
@@ -502,8 +550,7 @@ impl Projection<'_> {
     }
 }
 
-/// Assistant messages of open steps as this thread last wrote them: each one's stored
-/// text and the message that text encodes.
+/// Assistant messages of open steps as this thread last wrote or edited them.
 ///
 /// Every fragment's start and end, every call and result of a step is an edit of its
 /// whole assistant message, and decoding the stored text again for each was about a
@@ -515,14 +562,23 @@ impl Projection<'_> {
 /// Reading the row back to compare was a statement per edit, a round trip on
 /// PostgreSQL. So a message is also kept with the version of the row it wrote (the seq
 /// of its event, which every edit stores in `updated_seq`), and the next edit starts
-/// from it without reading: its `UPDATE … WHERE updated_seq = <version>` finds the row
-/// only as it was written, and finding none, the edit reads the row after all. Another
-/// writer's edit moves the version on; but an edit undone by a rollback leaves the seq
-/// free for another event, which another node could append, editing the message to a
-/// different text at the same version. So a message is kept at a version only when its
-/// write can be undone by nothing but a rollback of the writer's whole transaction (a
-/// plain batch, outside a write's own savepoint), and every such rollback forgets what is
-/// kept ([`forget_kept`]).
+/// from it without reading. Another writer's edit moves the version on; but an edit
+/// undone by a rollback leaves the seq free for another event, which another node could
+/// append, editing the message to a different text at the same version. So a message is
+/// kept at a version only when its write can be undone by nothing but a rollback of the
+/// writer's whole transaction (a plain batch, outside a write's own savepoint), and every
+/// such rollback forgets what is kept ([`forget_kept`]).
+///
+/// In such a batch an edit is not written either: the message is kept unwritten
+/// ([`Stored::Unwritten`]) for the batch's next edit, and written once, before the batch
+/// commits or anything reads the session's messages ([`write_unwritten`]), with
+/// `UPDATE … WHERE updated_seq = <version the batch's first edit started from>`. From its
+/// first append the batch holds the session (PostgreSQL: the counter's row lock; SQLite:
+/// its write transaction), so only another node's edit before then can have moved the
+/// row; the write then finds no row, and so may an edit refused on such a copy stem from
+/// it ([`refusing`]): either way the batch runs again from the rows. Outside a plain batch
+/// an edit is written at once, `WHERE updated_seq = <version>` when it started from a
+/// kept copy, and finding no row it reads the row after all.
 #[derive(Default)]
 pub(super) struct Written {
     messages: HashMap<MessageId, Kept>,
@@ -532,15 +588,81 @@ pub(super) struct Written {
     stamp: u64,
     /// The estimated heap of everything kept.
     bytes: usize,
+    /// The messages kept with edits their rows do not have yet (ids may repeat, or no
+    /// longer be unwritten).
+    unwritten: Vec<MessageId>,
 }
 
 struct Kept {
     stamp: u64,
-    data: String,
     message: Message,
-    /// The row's version the message was written at, when only a rollback of the whole
-    /// transaction can undo that write (which forgets it, [`forget_kept`]).
-    version: Option<Version>,
+    /// The length of the text the message was last read or written as: its cost.
+    size: usize,
+    row: Stored,
+}
+
+/// What the row of a kept message holds.
+enum Stored {
+    /// The text this thread wrote, at the row's version when only a rollback of the
+    /// whole transaction can undo that write (which forgets it, [`forget_kept`]).
+    Written {
+        data: String,
+        version: Option<Version>,
+    },
+    /// Not yet the edits the running batch made, up to `version`: the row is still at
+    /// version `at`, and the message is written before the batch commits or anything
+    /// reads the session's transcript ([`write_unwritten`]).
+    Unwritten {
+        version: Version,
+        at: i64,
+        checked: bool,
+    },
+}
+
+/// Where an edit's message came from: the version of its row it started from, and the
+/// length of the text that was, for [`Written::cost`].
+#[derive(Debug, Clone, Copy)]
+enum Base {
+    /// The row, read in this transaction.
+    Read { at: i64, size: usize },
+    /// A copy this thread wrote at version `at`, maybe in an earlier transaction: the
+    /// row may have moved on since (another node's edit).
+    Kept { at: i64, size: usize },
+    /// A copy holding edits of the running batch that the row, at version `at`, does
+    /// not have yet; `checked` when the row is known to be at `at` ([`Base::checked`]).
+    Unwritten {
+        at: i64,
+        size: usize,
+        version: Version,
+        checked: bool,
+    },
+}
+
+impl Base {
+    fn at(self) -> i64 {
+        match self {
+            Base::Read { at, .. } | Base::Kept { at, .. } | Base::Unwritten { at, .. } => at,
+        }
+    }
+
+    /// Whether the row is known to be at version `at`: read in this transaction, or
+    /// written from a copy read in it. A copy kept from an earlier transaction is not,
+    /// until its write.
+    fn checked(self) -> bool {
+        match self {
+            Base::Read { .. } => true,
+            Base::Kept { .. } => false,
+            Base::Unwritten { checked, .. } => checked,
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            Base::Read { size, .. } | Base::Kept { size, .. } | Base::Unwritten { size, .. } => {
+                size
+            }
+        }
+    }
 }
 
 /// The version of a message's row a kept message was written at: its session, and the
@@ -552,7 +674,8 @@ pub(super) struct Version {
 }
 
 /// The most a thread keeps, estimated as in [`Written::cost`]: enough for the open
-/// steps of thousands of streaming sessions.
+/// steps of thousands of streaming sessions. Unwritten messages are kept whatever the
+/// budget, until the end of their batch.
 const WRITTEN_BYTES: usize = 8 << 20;
 
 thread_local! {
@@ -565,6 +688,94 @@ pub(crate) fn forget_kept() {
     WRITTEN.with(|written| *written.borrow_mut() = Written::default());
 }
 
+/// Forgets every message this thread kept if any is still unwritten: for the end of a
+/// batch, which writes them all before it commits and forgets them all when it rolls
+/// back, so that none outlives it whatever the way it ended.
+pub(crate) fn forget_unwritten() {
+    WRITTEN.with(|written| {
+        let mut written = written.borrow_mut();
+        let messages = &written.messages;
+        let left = written.unwritten.iter().any(|id| {
+            messages
+                .get(id)
+                .is_some_and(|kept| matches!(kept.row, Stored::Unwritten { .. }))
+        });
+        if left {
+            *written = Written::default();
+        }
+    });
+}
+
+/// Says that a projection of an event of `session` refuses it. Should the session have a
+/// message whose edits the batch keeps unwritten, started from a copy kept from an earlier
+/// transaction and not yet checked against its row, the refusal may come from that copy
+/// being stale (another node edited the message before the batch's first edit): the batch
+/// then runs again from the rows ([`doubt_gathered`]), which tell.
+pub(super) fn refusing(session: SessionId) {
+    let unchecked = WRITTEN.with(|written| {
+        let written = written.borrow();
+        written.unwritten.iter().any(|id| {
+            written.messages.get(id).is_some_and(|kept| {
+                matches!(
+                    kept.row,
+                    Stored::Unwritten { version, checked: false, .. } if version.session == session
+                )
+            })
+        })
+    });
+    if unchecked {
+        doubt_gathered();
+    }
+}
+
+/// Writes the messages this thread keeps unwritten ([`Stored::Unwritten`]) to their rows,
+/// only session `only`'s when given: before the writer's batch commits, and before a read
+/// of a session's messages on a connection that may be the writer's. A row that is not
+/// at the version the batch's first edit started from was edited by another node first;
+/// then, or should this fail or run inside a write's own savepoint (whose rollback would
+/// undo it unseen), the batch cannot commit ([`doubt_gathered`]) and runs again from the
+/// rows.
+pub(crate) fn write_unwritten(connection: &mut Conn, only: Option<SessionId>) -> QueryResult<()> {
+    let ids = WRITTEN.with(|written| written.borrow_mut().take_unwritten_ids(only));
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let written = write_messages(connection, ids);
+    if written.is_err() {
+        doubt_gathered();
+    }
+    written
+}
+
+fn write_messages(connection: &mut Conn, ids: Vec<MessageId>) -> QueryResult<()> {
+    let keep_versions = !is_in_savepoint(connection)?;
+    if !keep_versions {
+        doubt_gathered();
+    }
+    for id in ids {
+        let Some((message, version, at)) =
+            WRITTEN.with(|written| written.borrow_mut().take_unwritten(id))
+        else {
+            continue;
+        };
+        let data = serde_json::to_string(&message)
+            .map_err(|err| diesel::result::Error::SerializationError(Box::new(err)))?;
+        let stored = SetMessageDataIf {
+            id: &id.to_string(),
+            data: &data,
+            seq: version.updated_seq,
+            kept_at: at,
+        }
+        .execute(connection)?;
+        if stored == 0 {
+            doubt_gathered();
+            continue;
+        }
+        Written::keep(id, data, message, keep_versions.then_some(version));
+    }
+    Ok(())
+}
+
 impl Written {
     /// The message kept for `id` when `stored` is the text it was written as; either way
     /// `id` is no longer kept (its edit keeps it again).
@@ -572,46 +783,133 @@ impl Written {
         WRITTEN.with(|written| written.borrow_mut().take_kept(id, stored))
     }
 
-    /// The message kept for `id` with the version it was written at, when it was kept
-    /// with one in `session`; `id` is then no longer kept.
-    fn take_current(id: MessageId, session: SessionId) -> Option<(Message, i64)> {
+    /// The message kept for `id` at a version of its row in `session`, and where it
+    /// stands against its row; `id` is then no longer kept.
+    fn take_current(id: MessageId, session: SessionId) -> Option<(Message, Base)> {
         WRITTEN.with(|written| written.borrow_mut().take_versioned(id, session))
     }
 
     /// Keeps `message`, just written as `data`, at `version` when known.
     pub(super) fn keep(id: MessageId, data: String, message: Message, version: Option<Version>) {
-        WRITTEN.with(|written| written.borrow_mut().insert(id, data, message, version));
+        let size = data.len();
+        WRITTEN.with(|written| {
+            written
+                .borrow_mut()
+                .insert(id, message, size, Stored::Written { data, version });
+        });
+    }
+
+    /// Keeps `message`, edited up to `version` and not written, whose row is at version
+    /// `at`; `size` is the length of the text it was last read or written as.
+    fn keep_unwritten(
+        id: MessageId,
+        message: Message,
+        version: Version,
+        at: i64,
+        size: usize,
+        checked: bool,
+    ) {
+        let row = Stored::Unwritten {
+            version,
+            at,
+            checked,
+        };
+        WRITTEN.with(|written| {
+            let mut written = written.borrow_mut();
+            written.insert(id, message, size, row);
+            written.unwritten.push(id);
+        });
     }
 
     fn take_kept(&mut self, id: MessageId, stored: &str) -> Option<Message> {
         self.remove(id)
-            .filter(|kept| kept.data == stored)
+            .filter(|kept| matches!(&kept.row, Stored::Written { data, .. } if data == stored))
             .map(|kept| kept.message)
     }
 
-    fn take_versioned(&mut self, id: MessageId, session: SessionId) -> Option<(Message, i64)> {
-        let version = self.messages.get(&id)?.version?;
-        if version.session != session {
-            return None;
-        }
+    fn take_versioned(&mut self, id: MessageId, session: SessionId) -> Option<(Message, Base)> {
+        let kept = self.messages.get(&id)?;
+        let size = kept.size;
+        let base = match kept.row {
+            Stored::Written {
+                version: Some(version),
+                ..
+            } if version.session == session => Base::Kept {
+                at: version.updated_seq,
+                size,
+            },
+            Stored::Unwritten {
+                version,
+                at,
+                checked,
+            } if version.session == session => Base::Unwritten {
+                at,
+                size,
+                version,
+                checked,
+            },
+            _ => return None,
+        };
         let kept = self.remove(id)?;
-        Some((kept.message, version.updated_seq))
+        Some((kept.message, base))
     }
 
-    fn insert(&mut self, id: MessageId, data: String, message: Message, version: Option<Version>) {
+    /// The ids of the unwritten messages, of session `only` when given; they are no
+    /// longer listed.
+    fn take_unwritten_ids(&mut self, only: Option<SessionId>) -> Vec<MessageId> {
+        if self.unwritten.is_empty() {
+            return Vec::new();
+        }
+        let Some(only) = only else {
+            return std::mem::take(&mut self.unwritten);
+        };
+        let messages = &self.messages;
+        let (taken, left) = self.unwritten.iter().partition(|id| {
+            messages.get(id).is_some_and(
+                |kept| matches!(kept.row, Stored::Unwritten { version, .. } if version.session == only),
+            )
+        });
+        self.unwritten = left;
+        taken
+    }
+
+    /// An unwritten message, its version and the version its row is at; it is then no
+    /// longer kept.
+    fn take_unwritten(&mut self, id: MessageId) -> Option<(Message, Version, i64)> {
+        let Stored::Unwritten { version, at, .. } = self.messages.get(&id)?.row else {
+            return None;
+        };
+        let kept = self.remove(id)?;
+        Some((kept.message, version, at))
+    }
+
+    fn insert(&mut self, id: MessageId, message: Message, size: usize, row: Stored) {
         self.remove(id);
-        let cost = Self::cost(&data);
+        let cost = Self::cost(size);
+        let unwritten = matches!(row, Stored::Unwritten { .. });
         // A message this large is rare, and would push out many others.
-        if cost > WRITTEN_BYTES / 16 {
+        if cost > WRITTEN_BYTES / 16 && !unwritten {
             return;
         }
+        let mut spared = Vec::new();
         while self.bytes + cost > WRITTEN_BYTES {
             let Some((oldest, stamp)) = self.order.pop_front() else {
                 break;
             };
-            if self.messages.get(&oldest).is_some_and(|k| k.stamp == stamp) {
-                self.remove(oldest);
+            match self.messages.get(&oldest) {
+                Some(kept) if kept.stamp == stamp => {
+                    if let Stored::Unwritten { .. } = kept.row {
+                        spared.push((oldest, stamp));
+                    } else {
+                        self.remove(oldest);
+                    }
+                }
+                _ => {}
             }
+        }
+        // Still the oldest, and kept.
+        for entry in spared.into_iter().rev() {
+            self.order.push_front(entry);
         }
         self.stamp += 1;
         let stamp = self.stamp;
@@ -619,9 +917,9 @@ impl Written {
         self.bytes += cost;
         let kept = Kept {
             stamp,
-            data,
             message,
-            version,
+            size,
+            row,
         };
         self.messages.insert(id, kept);
         // Stale ids pile up as messages are taken and kept again.
@@ -634,15 +932,16 @@ impl Written {
 
     fn remove(&mut self, id: MessageId) -> Option<Kept> {
         let kept = self.messages.remove(&id)?;
-        self.bytes -= Self::cost(&kept.data);
+        self.bytes -= Self::cost(kept.size);
         Some(kept)
     }
 
-    /// A kept message's heap, estimated: its text, the decoded message's strings about
-    /// as large again, and 1 KiB for the message's structure and the entry (a short
-    /// message kept this way was measured at about 1.7 KiB of resident memory).
-    fn cost(data: &str) -> usize {
-        2 * data.len() + 1024
+    /// A kept message's heap, estimated from the length of its text: the text, the
+    /// decoded message's strings about as large again, and 1 KiB for the message's
+    /// structure and the entry (a short message kept this way was measured at about
+    /// 1.7 KiB of resident memory).
+    fn cost(size: usize) -> usize {
+        2 * size + 1024
     }
 }
 
@@ -652,6 +951,7 @@ impl Written {
 struct StoredMessage {
     session_id: String,
     data: String,
+    updated_seq: i64,
 }
 
 /// The editable parts of an assistant message.
@@ -704,6 +1004,14 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    /// A row holding `data`, written outside a plain batch.
+    fn stored(data: &str) -> Stored {
+        Stored::Written {
+            data: data.to_owned(),
+            version: None,
+        }
+    }
 
     /// An assistant message with a part of every kind, as edits leave them.
     fn message(text: &str) -> Message {
@@ -767,7 +1075,7 @@ mod tests {
         let id = MessageId::new();
         let kept = message("one");
         let data = serde_json::to_string(&kept).unwrap();
-        written.insert(id, data.clone(), kept.clone(), None);
+        written.insert(id, kept.clone(), data.len(), stored(&data));
         assert!(
             written.take_kept(id, "{}").is_none(),
             "other text: decode it"
@@ -776,7 +1084,7 @@ mod tests {
             written.take_kept(id, &data).is_none(),
             "taking it forgot it, whatever the text"
         );
-        written.insert(id, data.clone(), kept.clone(), None);
+        written.insert(id, kept.clone(), data.len(), stored(&data));
         assert_eq!(written.take_kept(id, &data), Some(kept));
         assert_eq!(written.bytes, 0);
     }
@@ -786,13 +1094,13 @@ mod tests {
         let mut written = Written::default();
         let text = "x".repeat(64 * 1024);
         let data = serde_json::to_string(&message(&text)).unwrap();
-        let fits = WRITTEN_BYTES / Written::cost(&data);
+        let fits = WRITTEN_BYTES / Written::cost(data.len());
         let ids: Vec<MessageId> = (0..fits + 10).map(|_| MessageId::new()).collect();
         for id in &ids {
-            written.insert(*id, data.clone(), message(&text), None);
+            written.insert(*id, message(&text), data.len(), stored(&data));
             // Taken and kept again, as every edit does: the order stays bounded.
             let again = written.take_kept(*id, &data).unwrap();
-            written.insert(*id, data.clone(), again, None);
+            written.insert(*id, again, data.len(), stored(&data));
         }
         assert!(written.bytes <= WRITTEN_BYTES);
         assert_eq!(written.messages.len(), fits);
@@ -808,7 +1116,7 @@ mod tests {
 
         let huge = "y".repeat(WRITTEN_BYTES / 16);
         let id = ids[fits + 8];
-        written.insert(id, huge.clone(), message("huge"), None);
+        written.insert(id, message("huge"), huge.len(), stored(&huge));
         assert!(written.take_kept(id, &huge).is_none(), "too large to keep");
     }
 }
