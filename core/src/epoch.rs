@@ -85,7 +85,7 @@ pub fn with_session(
 ) -> Result<Option<(SessionInfo, Option<Epoch>)>, store::Error> {
     let id = session.to_string();
     // Only its agent and model may be kept in memory (`event::counters`).
-    counters::flush_changes(connection, &id)?;
+    counters::flush_agent_and_model(connection, &id)?;
     let row: Option<(SessionInfoRow, Option<Row>)> = on_backend!(connection, |c| {
         session::table
             .left_join(context_epoch::table.on(context_epoch::session_id.eq(session::id)))

@@ -10,8 +10,13 @@
 //! of their ids), each append to one of them then moves its counter in memory, whichever
 //! write makes it ([`advance`]), and one statement writes the moved counters back before
 //! the batch commits ([`flush`]). A batch of n sessions' appends makes two round trips
-//! for its counters instead of n or more. Any other session (not named, created after
-//! the lock, or forgotten, below) is counted in the table as before.
+//! for its counters instead of n or more. A batch of one session's writes locks nothing
+//! by a statement of its own: its first append moves the counter in the table, which
+//! locks the row, and the counter is kept from there ([`adopt`]); a batch of one append
+//! costs what it did, one of several appends (a step's boundary: the last step's end with
+//! its usage, then the next step's start) one statement more than its first append. Any
+//! other session (not named, created after the lock, or forgotten, below) is counted in
+//! the table as before.
 //!
 //! The table's counters are stale until then, so whatever reads `session`'s counter or
 //! update time on a connection that may be the writer's flushes first (the log's
@@ -36,8 +41,9 @@
 //! counter and written back by the same statement, so an event that projects only onto
 //! its session's row (a rename, a switch of agent or model) costs the batch no round
 //! trip of its own. Whatever reads those columns on a connection that may be the writer's
-//! flushes first, as for the counter, or writes back that session's changes alone
-//! ([`flush_changes`], for [`crate::event::view::session_info`]).
+//! flushes first, as for the counter, or, reading only the agent and model of them,
+//! writes back that session's changes alone when they change those
+//! ([`flush_agent_and_model`], for [`crate::event::view::session_info`]).
 //!
 //! SQLite keeps nothing here: its statements cost no round trip, and a batch's counter
 //! update and lookup cost it about what keeping them would.
@@ -61,6 +67,10 @@ struct Counter {
     last_seq: i64,
     /// When it was last moved, while the table does not have it yet.
     moved_at: Option<i64>,
+    /// The update time the table holds with the counter, when this thread knows it: a
+    /// counter adopted after its append moved it in the table ([`adopt`]), until its
+    /// first write-back. A change kept beside it writes it back at that time.
+    table_time: Option<i64>,
     /// The session row's changes the table does not have yet; only while `moved_at` is
     /// set ([`change`] keeps none otherwise), so that a write-back writes them.
     changes: Changes,
@@ -101,6 +111,9 @@ enum Kept {
     /// The sessions the batch's writes are for (sorted), not locked until one of them is
     /// appended to.
     Named(Vec<String>),
+    /// The one session the batch's writes are for, whose first append moves its counter
+    /// in the table (which locks the row) and then adopts it ([`adopt`]).
+    Single(String),
     /// Their counters, the sessions locked; a session deleted before the lock is not
     /// among them, nor one forgotten since ([`forget`]).
     Locked(HashMap<String, Counter>),
@@ -112,9 +125,11 @@ thread_local! {
 }
 
 /// Keeps the counters of `sessions` on this thread until [`stop`], locking them when the
-/// first is appended to. Keeps nothing on SQLite, nor for a single session: a batch of
-/// one session's writes moves its counter in the table, a round trip per append, where
-/// keeping it would cost two (the lock, the write back).
+/// first is appended to. Keeps nothing on SQLite. A single session's counter is not
+/// locked by a statement of its own: its first append moves it in the table as without
+/// keeping, which locks its row, and the counter is kept from there ([`adopt`]), so that
+/// a batch of one append costs what it did, and one of more appends, or of an append and
+/// its step's usage, one statement more than its first append in all.
 pub(crate) fn keep(connection: &Conn, sessions: &[SessionId]) {
     let mut ids: Vec<String> = match connection {
         Conn::Pg(_) => sessions.iter().map(ToString::to_string).collect(),
@@ -122,9 +137,32 @@ pub(crate) fn keep(connection: &Conn, sessions: &[SessionId]) {
     };
     ids.sort_unstable();
     ids.dedup();
-    if ids.len() > 1 {
-        KEPT.with(|kept| *kept.borrow_mut() = Some(Kept::Named(ids)));
+    let kept = match <[String; 1]>::try_from(ids) {
+        Ok([one]) => Kept::Single(one),
+        Err(ids) if ids.is_empty() => return,
+        Err(ids) => Kept::Named(ids),
+    };
+    KEPT.with(|slot| *slot.borrow_mut() = Some(kept));
+}
+
+/// Keeps session `id`'s counter, just moved in the table to `last_seq` at time `now` by
+/// an append of this thread outside a savepoint (the update locked its row), when it is
+/// the batch's one session ([`Kept::Single`]): its next appends move it in memory.
+pub(crate) fn adopt(connection: &mut Conn, id: &str, last_seq: i64, now: i64) -> QueryResult<()> {
+    let single =
+        KEPT.with(|kept| matches!(kept.borrow().as_ref(), Some(Kept::Single(one)) if one == id));
+    if !single || is_in_savepoint(connection)? {
+        return Ok(());
     }
+    let counter = Counter {
+        last_seq,
+        moved_at: None,
+        table_time: Some(now),
+        changes: Changes::default(),
+    };
+    let counters = HashMap::from([(id.to_owned(), counter)]);
+    KEPT.with(|kept| *kept.borrow_mut() = Some(Kept::Locked(counters)));
+    Ok(())
 }
 
 /// Drops what this thread keeps, written back or not.
@@ -152,7 +190,7 @@ pub(crate) fn advance(
         Some(Kept::Named(ids)) if ids.binary_search_by(|named| named.as_str().cmp(id)).is_ok() => {
             State::Named
         }
-        Some(Kept::Named(_)) => State::None,
+        Some(Kept::Named(_) | Kept::Single(_)) => State::None,
         Some(Kept::Locked(counters)) if counters.contains_key(id) => State::Locked,
         Some(Kept::Locked(_)) => State::None,
     });
@@ -214,6 +252,7 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
             let counter = Counter {
                 last_seq,
                 moved_at: None,
+                table_time: None,
                 changes: Changes::default(),
             };
             (id, counter)
@@ -235,7 +274,7 @@ pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> Query
         Some(Kept::Locked(counters)) => counters.get(id).and_then(|counter| {
             let usage_pending =
                 matches!(what, Change::Usage { .. }) && counter.changes.usage.is_some();
-            Some((counter.moved_at?, usage_pending))
+            Some((counter.moved_at.or(counter.table_time)?, usage_pending))
         }),
         _ => None,
     });
@@ -275,13 +314,15 @@ pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> Query
     }))
 }
 
-/// Writes session `id`'s kept changes to its row, with its counter, if it has any: for
-/// a read of the row's other columns, which the counter's write-back need not precede.
-pub(crate) fn flush_changes(connection: &mut Conn, id: &str) -> QueryResult<()> {
+/// Writes session `id`'s kept changes to its row, with its counter, if they change its
+/// agent or model: for a read of those and of the columns no projection keeps here,
+/// which neither the counter's write-back nor a kept title or usage need precede (a
+/// step's boundary reads them after the last step's usage).
+pub(crate) fn flush_agent_and_model(connection: &mut Conn, id: &str) -> QueryResult<()> {
     let changed = KEPT.with(|kept| match kept.borrow().as_ref() {
-        Some(Kept::Locked(counters)) => counters
-            .get(id)
-            .is_some_and(|counter| !counter.changes.is_empty()),
+        Some(Kept::Locked(counters)) => counters.get(id).is_some_and(|counter| {
+            counter.changes.agent.is_some() || counter.changes.model.is_some()
+        }),
         _ => false,
     });
     if changed {
@@ -308,6 +349,7 @@ fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
                 if only.is_some_and(|only| only != id) {
                     continue;
                 }
+                counter.table_time = None;
                 if let Some(time) = counter.moved_at.take() {
                     moved.push(
                         id,
@@ -403,12 +445,6 @@ struct Moved {
     /// Tokens added, by kind, in [`Change::Usage`]'s order.
     tokens: [Vec<i64>; 5],
     costs: Vec<f64>,
-}
-
-impl Changes {
-    fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
 }
 
 impl Moved {

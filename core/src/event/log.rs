@@ -80,16 +80,23 @@ fn advance(connection: &mut Conn, id: &str, by: i64, now: i64) -> Result<Option<
             Ok(Some(LastSeq { session_id: id }.get_direct(connection)?))
         }
         // The writer's batch may keep the counter in memory (see `counters`); otherwise
-        // PostgreSQL answers in the same round trip.
+        // PostgreSQL answers in the same round trip, and a batch of one session's writes
+        // keeps it from there.
         Conn::Pg(_) => match counters::advance(connection, id, by, now)? {
             Some(last) => Ok(Some(last)),
-            None => Ok(AdvanceReturning {
-                session_id: id,
-                by,
-                now,
+            None => {
+                let last = AdvanceReturning {
+                    session_id: id,
+                    by,
+                    now,
+                }
+                .get_direct(connection)
+                .optional()?;
+                if let Some(last) = last {
+                    counters::adopt(connection, id, last, now)?;
+                }
+                Ok(last)
             }
-            .get_direct(connection)
-            .optional()?),
         },
     }
 }

@@ -220,7 +220,7 @@ pub fn session_info(
 ) -> Result<Option<SessionInfo>, Error> {
     let id = session_id.to_string();
     // Only its agent and model may be kept in memory (`event::counters`).
-    counters::flush_changes(connection, &id)?;
+    counters::flush_agent_and_model(connection, &id)?;
     Ok(on_backend!(connection, |c| session::table
         .find(&id)
         .select(SessionInfoRow::as_select())

@@ -11,6 +11,34 @@ use crate::backend_tests;
 use crate::lifecycle::{Rows, rows};
 use crate::support::{T0, TestDb, created, new_session, new_sessions};
 
+fn started(message: MessageId) -> DurableEvent {
+    DurableEvent::StepStarted(payload::StepStarted {
+        assistant_message_id: message,
+        step: 1,
+        agent: "build".into(),
+        model: keel_schema::types::ModelRef {
+            provider: "scripted".into(),
+            id: "demo".into(),
+        },
+    })
+}
+
+/// A step's end, `input` tokens and the rest of its usage 2, 3, 4 and 5, at `cost`.
+fn ended(message: MessageId, input: u64, cost: f64) -> DurableEvent {
+    DurableEvent::StepEnded(payload::StepEnded {
+        assistant_message_id: message,
+        finish: keel_schema::types::Finish::Stop,
+        usage: keel_schema::types::Usage {
+            input,
+            output: 2,
+            reasoning: 3,
+            cache_read: 4,
+            cache_write: 5,
+        },
+        cost,
+    })
+}
+
 fn renamed(title: &str) -> DurableEvent {
     DurableEvent::Renamed(payload::Renamed {
         title: title.into(),
@@ -45,6 +73,7 @@ backend_tests!(
     a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_without_them,
     a_write_going_on_past_a_failed_statement_loses_no_other_write,
     a_batch_s_changes_to_its_sessions_rows_equal_a_replay_and_are_read_back_in_the_batch,
+    a_batch_of_one_session_s_writes_keeps_its_counter_from_its_first_append,
     an_import_in_a_batch_for_several_sessions_projects_every_change_to_its_session,
 );
 
@@ -765,35 +794,10 @@ async fn a_batch_s_changes_to_its_sessions_rows_equal_a_replay_and_are_read_back
 ) {
     use keel_core::event::{log, view};
     use keel_core::store::Conn;
-    use keel_schema::types::{Finish, ModelRef, Usage};
+    use keel_schema::types::ModelRef;
 
     let store = one_writer(&db).await;
     let [a, b, c]: [SessionId; 3] = new_sessions(&store, 3).await.try_into().unwrap();
-    let started = |id: MessageId| {
-        DurableEvent::StepStarted(payload::StepStarted {
-            assistant_message_id: id,
-            step: 1,
-            agent: "build".into(),
-            model: ModelRef {
-                provider: "scripted".into(),
-                id: "demo".into(),
-            },
-        })
-    };
-    let ended = |id: MessageId, input: u64, cost: f64| {
-        DurableEvent::StepEnded(payload::StepEnded {
-            assistant_message_id: id,
-            finish: Finish::Stop,
-            usage: Usage {
-                input,
-                output: 2,
-                reasoning: 3,
-                cache_read: 4,
-                cache_write: 5,
-            },
-            cost,
-        })
-    };
     let switched_agent = |agent: &str| {
         DurableEvent::AgentSwitched(payload::AgentSwitched {
             agent: agent.into(),
@@ -999,4 +1003,112 @@ pub(crate) async fn in_one_batch<F: Future>(store: &Store, writes: F) -> F::Outp
     release.send(()).unwrap();
     hold.await.unwrap();
     writes.await
+}
+
+/// A batch of one session's writes moves the session's counter in the table at its first
+/// append and keeps it from there on PostgreSQL (`event::counters::adopt`): later appends
+/// and the steps' usage wait for the batch's end, what reads the session's row in the
+/// batch sees them, and the row committed is what a replay projects, update time
+/// included. A savepoint's append before the first keeps nothing and runs nothing again.
+async fn a_batch_of_one_session_s_writes_keeps_its_counter_from_its_first_append(db: TestDb) {
+    use diesel::prelude::*;
+    use keel_core::event::{log, view};
+    use keel_core::store::Conn;
+    use keel_core::store::schema::session;
+
+    let store = db.open().await;
+    let id = new_session(&store).await;
+    // 0.1 + 0.2 + 0.3 added in turn is not 0.1 + (0.2 + 0.3).
+    let first = MessageId::new();
+    store
+        .append(id, vec![started(first), ended(first, 1, 0.1)])
+        .await
+        .unwrap();
+    let created_at = store.last_seq(id).await.unwrap().unwrap();
+    let (second, third) = (MessageId::new(), MessageId::new());
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let (in_table, shown) = store
+        .write_for(id, move |c: &mut Conn| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let raw = |c: &mut Conn| {
+                session::table
+                    .find(id.to_string())
+                    .select((
+                        session::last_seq,
+                        session::usage_input,
+                        session::time_updated,
+                    ))
+                    .get_result::<(i64, i64, i64)>(c)
+                    .unwrap()
+            };
+            let undone = diesel::Connection::transaction::<(), Error, _>(c, |c| {
+                log::append(c, T0 + 1, id, vec![renamed("undone")])?;
+                Err(diesel::result::Error::RollbackTransaction.into())
+            });
+            assert!(undone.is_err());
+            let mut in_table = Vec::new();
+            // The first append: the counter moves in the table, its step's usage waits.
+            log::append(c, T0 + 2, id, vec![started(second), ended(second, 10, 0.2)])?;
+            in_table.push(raw(c));
+            // What the step's boundary reads next needs nothing of that written.
+            assert_eq!(view::session_info(c, id)?.unwrap().agent, "build");
+            assert_eq!(raw(c), in_table[0], "the session's settings read alone");
+            let read = view::session(c, id)?.map(|s| s.usage.input);
+            assert_eq!(read, Some(11), "the session view in the batch");
+            in_table.push(raw(c));
+            log::append(c, T0 + 3, id, vec![renamed("x")])?;
+            in_table.push(raw(c));
+            log::append(c, T0 + 4, id, vec![started(third), ended(third, 100, 0.3)])?;
+            in_table.push(raw(c));
+            let shown = view::session(c, id)?.map(|s| (s.title, s.usage.input, s.cost));
+            Ok::<_, Error>((in_table, shown))
+        })
+        .await
+        .unwrap();
+    assert_eq!(runs.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let seq = i64::try_from(created_at).unwrap();
+    if matches!(db.url, keel_core::store::DbUrl::Postgres(_)) {
+        assert_eq!(
+            in_table,
+            [
+                (seq + 2, 1, T0 + 2),
+                // Written back for the view at the time the table had.
+                (seq + 2, 11, T0 + 2),
+                (seq + 2, 11, T0 + 2),
+                (seq + 2, 11, T0 + 2),
+            ],
+            "kept from the first append"
+        );
+    } else {
+        assert_eq!(
+            in_table,
+            [
+                (seq + 2, 11, T0 + 2),
+                (seq + 2, 11, T0 + 2),
+                (seq + 3, 11, T0 + 3),
+                (seq + 5, 111, T0 + 4),
+            ],
+            "SQLite keeps nothing"
+        );
+    }
+    assert_eq!(
+        shown,
+        Some((Some("x".to_owned()), 111, 0.1 + 0.2 + 0.3)),
+        "the session view in the batch"
+    );
+    let row = store
+        .read(move |c| {
+            Ok::<_, Error>(
+                session::table
+                    .find(id.to_string())
+                    .select((session::last_seq, session::time_updated, session::cost))
+                    .get_result::<(i64, i64, f64)>(c)
+                    .unwrap(),
+            )
+        })
+        .await
+        .unwrap();
+    assert_eq!(row, (seq + 5, T0 + 4, 0.1 + 0.2 + 0.3));
+    crate::lifecycle::assert_replay_projects_the_same_rows(&store, id).await;
 }
