@@ -84,7 +84,7 @@ pub fn with_session(
     session: SessionId,
 ) -> Result<Option<(SessionInfo, Option<Epoch>)>, store::Error> {
     let id = session.to_string();
-    // Only its agent and model may be kept in memory (`event::counters`).
+    // Of what it reads, only the agent and model may be kept in memory (`event::counters`).
     counters::flush_agent_and_model(connection, &id)?;
     let row: Option<(SessionInfoRow, Option<Row>)> = on_backend!(connection, |c| {
         session::table

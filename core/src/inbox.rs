@@ -22,8 +22,8 @@ use keel_schema::event::{DurableEvent, Envelope, payload};
 use keel_schema::id::{InputId, MessageId, SessionId};
 use keel_schema::types::{Delivery, InputKind, InputSource, Part};
 
-use crate::event::log;
 use crate::event::view::InputRow;
+use crate::event::{counters, log};
 use crate::store::Direct as _;
 use crate::store::on_backend;
 use crate::store::schema::session_input;
@@ -123,7 +123,11 @@ pub fn admit(
         ));
     }
     // A savepoint of its own, so that losing a race for the same client id (another node
-    // admitted it first) can fall back to the replay rules below.
+    // admitted it first) can fall back to the replay rules below. The session's counter,
+    // should the writer's batch keep it moved by an earlier write (a step's, on PostgreSQL:
+    // `event::counters`), is written back first: inside the savepoint that would make the
+    // batch run again.
+    counters::forget(connection, &session_id.to_string()).map_err(store::Error::from)?;
     if let Err(e) = connection.transaction(|c| log::append(c, now, session_id, events)) {
         return match admission.id {
             Some(id) => match InputRow::find(connection, id)? {

@@ -33,8 +33,9 @@
 //! moves its counter in the table, after forgetting the kept one (writing it back if the
 //! batch had moved it); and should a write-back happen inside one (that one, or a read's),
 //! or fail there, the batch cannot commit what it kept ([`doubt_gathered`]): the writer
-//! rolls it back and runs it again keeping nothing. An admission appends in a savepoint,
-//! so a batch where a session's runner appended before its admission runs twice.
+//! rolls it back and runs it again keeping nothing. An admission, which appends in a
+//! savepoint, forgets its session's counter before it opens one, so that a batch where the
+//! session's runner appended before its admission still runs once.
 //!
 //! The projections' changes to a kept session's own row ride with its counter ([`change`]):
 //! its title, agent and model, and the usage and cost its steps add, are kept beside the
@@ -265,10 +266,11 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
 /// Keeps `what`, made by the projection of an event appended to session `id`, with the
 /// session's kept counter, to be written back with it. Returns `false`, for the caller
 /// to make the change in the table itself, when this thread keeps no counter for the
-/// session, runs inside a savepoint (where nothing is kept), or has not moved the
-/// counter since its last write-back: an import numbers its events in the table after
-/// writing the kept counters back, and its forgetting of the counter writes back only a
-/// moved one.
+/// session, runs inside a savepoint (where nothing is kept), or has neither moved the
+/// counter since its last write-back nor adopted it since (knowing the update time the
+/// table has): an import numbers its events in the table after writing the kept counters
+/// back, and its forgetting of the counter writes back only a moved one, which a kept
+/// change marks.
 pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> QueryResult<bool> {
     let state = KEPT.with(|kept| match kept.borrow().as_ref() {
         Some(Kept::Locked(counters)) => counters.get(id).and_then(|counter| {

@@ -219,7 +219,7 @@ pub fn session_info(
     session_id: SessionId,
 ) -> Result<Option<SessionInfo>, Error> {
     let id = session_id.to_string();
-    // Only its agent and model may be kept in memory (`event::counters`).
+    // Of what it reads, only the agent and model may be kept in memory (`event::counters`).
     counters::flush_agent_and_model(connection, &id)?;
     Ok(on_backend!(connection, |c| session::table
         .find(&id)

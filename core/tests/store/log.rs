@@ -1061,6 +1061,15 @@ async fn a_batch_of_one_session_s_writes_keeps_its_counter_from_its_first_append
             in_table.push(raw(c));
             log::append(c, T0 + 4, id, vec![started(third), ended(third, 100, 0.3)])?;
             in_table.push(raw(c));
+            // An admission (its prompt and its request to run) appends in a savepoint of
+            // its own: the kept counter is written back before it, and the batch need not
+            // run again.
+            let admission =
+                keel_core::inbox::Admission::prompt(vec![keel_schema::types::Part::Text {
+                    text: "steer".into(),
+                }]);
+            keel_core::inbox::admit(c, T0 + 5, id, admission).unwrap();
+            in_table.push(raw(c));
             let shown = view::session(c, id)?.map(|s| (s.title, s.usage.input, s.cost));
             Ok::<_, Error>((in_table, shown))
         })
@@ -1077,6 +1086,7 @@ async fn a_batch_of_one_session_s_writes_keeps_its_counter_from_its_first_append
                 (seq + 2, 11, T0 + 2),
                 (seq + 2, 11, T0 + 2),
                 (seq + 2, 11, T0 + 2),
+                (seq + 7, 111, T0 + 5),
             ],
             "kept from the first append"
         );
@@ -1088,6 +1098,7 @@ async fn a_batch_of_one_session_s_writes_keeps_its_counter_from_its_first_append
                 (seq + 2, 11, T0 + 2),
                 (seq + 3, 11, T0 + 3),
                 (seq + 5, 111, T0 + 4),
+                (seq + 7, 111, T0 + 5),
             ],
             "SQLite keeps nothing"
         );
@@ -1109,6 +1120,6 @@ async fn a_batch_of_one_session_s_writes_keeps_its_counter_from_its_first_append
         })
         .await
         .unwrap();
-    assert_eq!(row, (seq + 5, T0 + 4, 0.1 + 0.2 + 0.3));
+    assert_eq!(row, (seq + 7, T0 + 5, 0.1 + 0.2 + 0.3));
     crate::lifecycle::assert_replay_projects_the_same_rows(&store, id).await;
 }
