@@ -29,10 +29,11 @@ impl Projection<'_> {
     /// When this thread kept the message ([`Written`]) at a version of its row, the edit
     /// starts from that copy without reading the row; otherwise (nothing kept, `change`
     /// refused a copy kept from an earlier transaction, or the row had moved on when the
-    /// edit was written at once) it reads the row and runs `change` on what it holds. In a plain batch outside a
-    /// write's own savepoint the edit is kept unwritten, for the batch's end or the next
-    /// read of the session's messages to write ([`write_unwritten`]); elsewhere, and for
-    /// the edit that ends the step, it is written at once.
+    /// edit was written at once) it reads the row and runs `change` on what it holds. In
+    /// a plain batch outside a write's own savepoint the edit is kept unwritten, for the
+    /// batch's end or the next read of the session's messages to write
+    /// ([`write_unwritten`]); elsewhere, and for the edit that ends the step, it is
+    /// written at once.
     fn edit_assistant<T>(
         &mut self,
         id: MessageId,
@@ -125,17 +126,14 @@ impl Projection<'_> {
         let ended = view.end.is_some();
         let version = self.version_to_keep()?;
         if let (Some(version), false) = (version, ended) {
-            // The row waits for the batch's end, or for a read of the transcript.
+            // The row waits for the batch's end, or for a read of the session's messages.
             Written::keep_unwritten(id, message, version, base.at(), base.size(), base.checked());
             return Ok(Some(value));
         }
-        if let Base::Unwritten { .. } = base {
-            // Inside a write's own savepoint, whose rollback would undo this write of the
-            // batch's earlier edits too, or the step's end; either way the batch cannot
-            // count on the row holding them unless the write below stands.
-            if version.is_none() {
-                doubt_gathered();
-            }
+        if let (Base::Unwritten { .. }, None) = (base, version) {
+            // The batch's earlier edits go into the row with this one, inside a write's own
+            // savepoint whose rollback would undo them unseen: the batch cannot commit.
+            doubt_gathered();
         }
         let data = serde_json::to_string(&message)
             .map_err(|err| self.refuse(format!("message does not serialize: {err}")))?;
