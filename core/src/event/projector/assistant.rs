@@ -692,13 +692,7 @@ pub(crate) fn forget_kept() {
 pub(crate) fn forget_unwritten() {
     WRITTEN.with(|written| {
         let mut written = written.borrow_mut();
-        let messages = &written.messages;
-        let left = written.unwritten.iter().any(|id| {
-            messages
-                .get(id)
-                .is_some_and(|kept| matches!(kept.row, Stored::Unwritten { .. }))
-        });
-        if left {
+        if written.any_unwritten(|_, _| true) {
             *written = Written::default();
         }
     });
@@ -711,15 +705,9 @@ pub(crate) fn forget_unwritten() {
 /// then runs again from the rows ([`doubt_gathered`]), which tell.
 pub(super) fn refusing(session: SessionId) {
     let unchecked = WRITTEN.with(|written| {
-        let written = written.borrow();
-        written.unwritten.iter().any(|id| {
-            written.messages.get(id).is_some_and(|kept| {
-                matches!(
-                    kept.row,
-                    Stored::Unwritten { version, checked: false, .. } if version.session == session
-                )
-            })
-        })
+        written
+            .borrow()
+            .any_unwritten(|version, checked| !checked && version.session == session)
     });
     if unchecked {
         doubt_gathered();
@@ -861,14 +849,31 @@ impl Written {
         let Some(only) = only else {
             return std::mem::take(&mut self.unwritten);
         };
-        let messages = &self.messages;
         let (taken, left) = self.unwritten.iter().partition(|id| {
-            messages.get(id).is_some_and(
-                |kept| matches!(kept.row, Stored::Unwritten { version, .. } if version.session == only),
-            )
+            self.unwritten_at(id)
+                .is_some_and(|(version, _)| version.session == only)
         });
         self.unwritten = left;
         taken
+    }
+
+    /// The version an unwritten message was edited up to, and whether its row is known
+    /// to be where its edits started ([`Base::checked`]).
+    fn unwritten_at(&self, id: &MessageId) -> Option<(Version, bool)> {
+        match self.messages.get(id)?.row {
+            Stored::Unwritten {
+                version, checked, ..
+            } => Some((version, checked)),
+            Stored::Written { .. } => None,
+        }
+    }
+
+    /// Whether an unwritten message's version and check match `matching`.
+    fn any_unwritten(&self, matching: impl Fn(Version, bool) -> bool) -> bool {
+        self.unwritten.iter().any(|id| {
+            self.unwritten_at(id)
+                .is_some_and(|(version, checked)| matching(version, checked))
+        })
     }
 
     /// An unwritten message, its version and the version its row is at; it is then no
