@@ -9,7 +9,8 @@
 //! one statement (`SELECT … FOR NO KEY UPDATE`, the lock an `UPDATE` takes, in the order
 //! of their ids), each append to one of them then moves its counter in memory, whichever
 //! write makes it ([`advance`]), and one statement writes the moved counters back before
-//! the batch commits ([`flush`]). A batch of n sessions' appends makes two round trips
+//! the batch commits, inserting the batch's gathered event rows too
+//! ([`flush_with_rows`]). A batch of n sessions' appends makes two round trips
 //! for its counters instead of n or more. A batch of one session's writes locks nothing
 //! by a statement of its own: its first append moves the counter in the table, which
 //! locks the row, and the counter is kept from there ([`adopt`]); a batch of one append
@@ -60,6 +61,7 @@ use diesel::sql_types::{Array, BigInt, Double, Nullable, Text};
 use diesel::{QueryResult, RunQueryDsl};
 use keel_schema::id::SessionId;
 
+use crate::event::rows::{self, Row, RowArrays};
 use crate::store::{Conn, doubt_gathered, is_in_savepoint};
 
 /// A kept session's counter.
@@ -288,7 +290,7 @@ pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> Query
     }
     if usage_pending {
         // A second step's usage in one batch (rare): the first goes to the table now.
-        write_back(connection, Some(id))?;
+        write_back(connection, Some(id), &[])?;
     }
     Ok(KEPT.with(|kept| {
         let mut kept = kept.borrow_mut();
@@ -328,21 +330,27 @@ pub(crate) fn flush_agent_and_model(connection: &mut Conn, id: &str) -> QueryRes
         _ => false,
     });
     if changed {
-        write_back(connection, Some(id))?;
+        write_back(connection, Some(id), &[])?;
     }
     Ok(())
 }
 
 /// Writes the counters moved since the last flush to the table; they stay kept.
 pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
-    write_back(connection, None)
+    write_back(connection, None, &[])
+}
+
+/// [`flush`], inserting `rows` (a batch's gathered event rows, [`rows::flush_with`]) in
+/// the same statement on PostgreSQL: the last round trip of a batch before its commit.
+pub(crate) fn flush_with_rows(connection: &mut Conn, rows: &[Row]) -> QueryResult<()> {
+    write_back(connection, None, rows)
 }
 
 /// Writes the kept counters that moved since they were last written (only session
-/// `only`'s, when given) to the table.
-fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
+/// `only`'s, when given) to the table, and inserts `rows` with them.
+fn write_back(connection: &mut Conn, only: Option<&str>, rows: &[Row]) -> QueryResult<()> {
     let Conn::Pg(_) = connection else {
-        return Ok(());
+        return rows::insert_all(connection, rows);
     };
     let moved = KEPT.with(|kept| {
         let mut moved = Moved::default();
@@ -365,7 +373,7 @@ fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
         moved
     });
     if moved.ids.is_empty() {
-        return Ok(());
+        return rows::insert_all(connection, rows);
     }
     if is_in_savepoint(connection)? {
         // Rolling the savepoint back would undo this write-back, and nothing here would
@@ -375,7 +383,14 @@ fn write_back(connection: &mut Conn, only: Option<&str>) -> QueryResult<()> {
     let Conn::Pg(pg) = connection else {
         unreachable!("matched above")
     };
-    let written = moved.execute(pg);
+    let written = match rows {
+        [] => moved.execute(pg),
+        rows => WithRows {
+            rows: RowArrays::of(rows),
+            moved: &moved,
+        }
+        .execute(pg),
+    };
     if written.is_err() {
         // Not in the table, and nothing more is kept for it. At the top the transaction
         // is doomed; inside a savepoint it is not, and a write that swallowed the error
@@ -398,7 +413,7 @@ pub(crate) fn forget(connection: &mut Conn, id: &str) -> QueryResult<()> {
         // Not locked yet, the lock will read what the table says by then.
         return Ok(());
     }
-    write_back(connection, Some(id))?;
+    write_back(connection, Some(id), &[])?;
     KEPT.with(|kept| {
         if let Some(Kept::Locked(counters)) = kept.borrow_mut().as_mut() {
             counters.remove(id);
@@ -500,3 +515,27 @@ impl QueryFragment<Pg> for Moved {
 }
 
 impl<C> RunQueryDsl<C> for Moved {}
+
+/// Event rows inserted and counters written back by one statement, the rows' insert as
+/// the update's `WITH`: the rows' foreign keys see the sessions' rows, which the batch
+/// holds locked, whatever the update does to them.
+struct WithRows<'a> {
+    rows: RowArrays<'a>,
+    moved: &'a Moved,
+}
+
+impl QueryId for WithRows<'_> {
+    type QueryId = WithRows<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for WithRows<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(r#"WITH "inserted" AS ("#);
+        self.rows.walk_ast(out.reborrow())?;
+        out.push_sql(") ");
+        self.moved.walk_ast(out)
+    }
+}
+
+impl<C> RunQueryDsl<C> for WithRows<'_> {}

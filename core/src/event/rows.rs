@@ -3,7 +3,8 @@
 //! An append's event insert is a statement of its own, and a statement costs SQLite and
 //! diesel a good share of an append, and PostgreSQL a round trip. While the writer runs
 //! a batch ([`gather`]), the rows its writes append wait here, on the writer's thread,
-//! and go in together before the batch commits ([`flush`]): a statement per 500 rows.
+//! and go in together before the batch commits ([`flush`]): on PostgreSQL one statement
+//! of arrays, on SQLite a statement per 500 rows.
 //!
 //! The rows are not in the table until then, so every read of `event` on a connection
 //! that may be the writer's calls [`flush`] first ([`crate::event::log`]'s reads and
@@ -21,9 +22,10 @@
 use std::cell::RefCell;
 
 use diesel::backend::Backend;
+use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::serialize::ToSql;
-use diesel::sql_types::{BigInt, HasSqlType, Integer, Text};
+use diesel::sql_types::{Array, BigInt, HasSqlType, Integer, Text};
 use diesel::{QueryResult, RunQueryDsl};
 
 use crate::store::fixed::fixed_query;
@@ -83,15 +85,21 @@ pub(crate) fn insert(connection: &mut Conn, row: Row) -> QueryResult<()> {
 /// Inserts the rows gathered so far (nothing when this thread does not gather); this
 /// thread goes on gathering.
 pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
+    flush_with(connection, insert_all)
+}
+
+/// [`flush`], the rows (none when this thread does not gather) inserted by `insert`.
+pub(crate) fn flush_with(
+    connection: &mut Conn,
+    insert: impl FnOnce(&mut Conn, &[Row]) -> QueryResult<()>,
+) -> QueryResult<()> {
     let rows = GATHERED.with(|gathered| gathered.borrow_mut().as_mut().map(std::mem::take));
-    let Some(rows) = rows else {
-        return Ok(());
-    };
+    let rows = rows.unwrap_or_default();
     if !rows.is_empty() && is_in_savepoint(connection)? {
         // Rolling the savepoint back would undo these rows, and nothing here would know.
         doubt_gathered();
     }
-    let inserted = insert_all(connection, &rows);
+    let inserted = insert(connection, &rows);
     if inserted.is_err() {
         // The rows are no longer kept here: should the write swallow the error (SQLite's
         // transaction goes on after a failed statement), the batch must not commit.
@@ -100,8 +108,15 @@ pub(crate) fn flush(connection: &mut Conn) -> QueryResult<()> {
     inserted
 }
 
-/// Inserts `rows`, a statement per [`CHUNK`].
-fn insert_all(connection: &mut Conn, rows: &[Row]) -> QueryResult<()> {
+/// Inserts `rows`: on PostgreSQL by one statement of arrays, on SQLite a statement per
+/// [`CHUNK`].
+pub(crate) fn insert_all(connection: &mut Conn, rows: &[Row]) -> QueryResult<()> {
+    if let Conn::Pg(c) = connection
+        && rows.len() > 1
+    {
+        RowArrays::of(rows).execute(c)?;
+        return Ok(());
+    }
     for chunk in rows.chunks(CHUNK) {
         match chunk {
             [] => {}
@@ -149,8 +164,8 @@ fixed_query! {
         {version: Integer} ", " {data: Text} ", " {time: BigInt} ")"
 }
 
-/// Inserts several rows of the log in one statement. Its text depends on how many, so
-/// diesel finds its prepared statement by the text.
+/// Inserts several rows of the log in one statement (on SQLite). Its text depends on how
+/// many, so diesel finds its prepared statement by the text.
 struct InsertRows<'a> {
     rows: &'a [Row],
 }
@@ -193,3 +208,64 @@ where
 }
 
 impl<C> RunQueryDsl<C> for InsertRows<'_> {}
+
+/// Rows of the log as a column of values each, which PostgreSQL inserts by `UNNEST`: one
+/// statement whatever the number of rows, prepared once per connection, where a
+/// multi-row `VALUES` is a statement of its own for every row count, parsed and planned
+/// again at every use (diesel caches no statement whose text varies).
+#[derive(Debug, Default)]
+pub(crate) struct RowArrays<'a> {
+    session_ids: Vec<&'a str>,
+    seqs: Vec<i64>,
+    ids: Vec<&'a str>,
+    type_names: Vec<&'static str>,
+    versions: Vec<i32>,
+    data: Vec<&'a str>,
+    times: Vec<i64>,
+}
+
+impl<'a> RowArrays<'a> {
+    pub(crate) fn of(rows: &'a [Row]) -> Self {
+        let mut arrays = Self::default();
+        for row in rows {
+            arrays.session_ids.push(&row.session_id);
+            arrays.seqs.push(row.seq);
+            arrays.ids.push(&row.id);
+            arrays.type_names.push(row.type_name);
+            arrays.versions.push(row.version);
+            arrays.data.push(&row.data);
+            arrays.times.push(row.time);
+        }
+        arrays
+    }
+}
+
+impl QueryId for RowArrays<'_> {
+    type QueryId = RowArrays<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for RowArrays<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            r#"INSERT INTO "event" ("session_id", "seq", "id", "type", "version", "data", "time") SELECT * FROM UNNEST("#,
+        );
+        out.push_bind_param::<Array<Text>, _>(&self.session_ids)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<BigInt>, _>(&self.seqs)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Text>, _>(&self.ids)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Text>, _>(&self.type_names)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Integer>, _>(&self.versions)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Text>, _>(&self.data)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<BigInt>, _>(&self.times)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+impl<C> RunQueryDsl<C> for RowArrays<'_> {}

@@ -741,11 +741,11 @@ impl Gathering {
     }
 
     /// Writes what was gathered and kept before the commit: the messages the batch's
-    /// edits left unwritten, the event rows, the counters.
+    /// edits left unwritten, then the event rows and the counters (on PostgreSQL by one
+    /// statement).
     fn flush(connection: &mut Conn) -> diesel::QueryResult<()> {
         crate::event::projector::write_unwritten(connection, None)?;
-        rows::flush(connection)?;
-        counters::flush(connection)
+        rows::flush_with(connection, counters::flush_with_rows)
     }
 }
 

@@ -71,6 +71,7 @@ backend_tests!(
     a_batch_of_writes_for_several_sessions_numbers_each_and_reads_what_it_numbered,
     a_write_s_savepoint_rolled_back_in_a_batch_leaves_every_log_and_counter_right,
     a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_without_them,
+    a_row_refused_at_a_batch_s_end_fails_its_write_alone_and_the_counters_stay_right,
     a_write_going_on_past_a_failed_statement_loses_no_other_write,
     a_batch_s_changes_to_its_sessions_rows_equal_a_replay_and_are_read_back_in_the_batch,
     a_batch_of_one_session_s_writes_keeps_its_counter_from_its_first_append,
@@ -706,12 +707,7 @@ async fn a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_with
             // Takes the appended event's seq with a row of its own, then reads the log
             // (inserting the gathered row, refused) and ignores the refusal.
             store.write_for(session, move |c: &mut Conn| {
-                diesel::sql_query(format!(
-                    "INSERT INTO event (session_id, seq, id, type, version, data, time) \
-                     VALUES ('{session}', 2, 'evt_taken', 'session.next.renamed', 1, \
-                     '{{\"title\": \"taken\"}}', 0)"
-                ))
-                .execute(c)?;
+                take_seq(c, session, 2)?;
                 let read = log::read(c, session, 0, 100).map(|events| events.len());
                 Ok::<_, Error>(read.is_err())
             }),
@@ -736,6 +732,63 @@ async fn a_batch_whose_gathered_rows_were_refused_to_a_read_does_not_commit_with
         .collect();
     assert_eq!(titles, vec!["appended".to_owned()]);
     assert_eq!(store.last_seq(session).await.unwrap(), Some(2));
+}
+
+/// A batch's gathered rows go in at its end, on PostgreSQL by the statement that also
+/// writes the kept counters back (`event::counters::flush_with_rows`). When the database
+/// refuses one of the rows there, the batch runs again row by row: the write whose row
+/// it is fails alone, and the others commit, their counters at their logs' last seqs.
+async fn a_row_refused_at_a_batch_s_end_fails_its_write_alone_and_the_counters_stay_right(
+    db: TestDb,
+) {
+    use keel_core::store::Conn;
+
+    let store = one_writer(&db).await;
+    let sessions = new_sessions(&store, 3).await;
+    let [a, b, c] = [sessions[0], sessions[1], sessions[2]];
+    let before = store.stats();
+    let (first, taking, second) = in_one_batch(&store, async {
+        tokio::join!(
+            store.append(a, vec![renamed("first")]),
+            // Takes the seq `c`'s append below numbers its first event with, by a row of
+            // its own inserted at once: `c`'s row is refused only at the batch's end.
+            store.write_for(b, move |conn: &mut Conn| {
+                take_seq(conn, c, 2)?;
+                Ok::<_, Error>(())
+            }),
+            store.append(c, vec![renamed("second"), renamed("third")]),
+        )
+    })
+    .await;
+    one_batch(&store, before, 3);
+    assert_eq!(first.unwrap()[0].seq, 2);
+    taking.unwrap();
+    assert!(second.is_err(), "{second:?}");
+    let log = store.read_log(a, 0, 100).await.unwrap();
+    assert_eq!(log.len(), 2);
+    assert!(matches!(&log[1].event, DurableEvent::Renamed(r) if r.title == "first"));
+    assert_eq!(store.last_seq(a).await.unwrap(), Some(2));
+    assert_eq!(store.last_seq(c).await.unwrap(), Some(1), "not moved");
+    // `a`'s next append goes on from its counter.
+    assert_eq!(
+        store.append(a, vec![renamed("next")]).await.unwrap()[0].seq,
+        3
+    );
+}
+
+/// Inserts a row of `session`'s log at `seq` at once, past the log's own numbering and
+/// without moving its counter.
+fn take_seq(
+    connection: &mut keel_core::store::Conn,
+    session: SessionId,
+    seq: u64,
+) -> diesel::QueryResult<usize> {
+    diesel::sql_query(format!(
+        "INSERT INTO event (session_id, seq, id, type, version, data, time) \
+         VALUES ('{session}', {seq}, 'evt_taken', 'session.next.renamed', 1, \
+         '{{\"title\": \"taken\"}}', 0)"
+    ))
+    .execute(connection)
 }
 
 /// A write that goes on past a statement the database refused, outside any savepoint of
