@@ -13,11 +13,22 @@
 //! ([`flush_with_rows`]). A batch of n sessions' appends makes two round trips
 //! for its counters instead of n or more. A batch of one session's writes locks nothing
 //! by a statement of its own: its first append moves the counter in the table, which
-//! locks the row, and the counter is kept from there ([`adopt`]); a batch of one append
-//! costs what it did, one of several appends (a step's boundary: the last step's end with
-//! its usage, then the next step's start) one statement more than its first append. Any
-//! other session (not named, created after the lock, or forgotten, below) is counted in
-//! the table as before.
+//! locks the row, and the counter is kept from there ([`adopt`]). Any other session (not
+//! named, created after the lock, or forgotten, below) is counted in the table as before.
+//!
+//! A session's writes all go to one writer of a node, so the writer also remembers the
+//! counters its committed batches left in the table ([`committed`]) and starts its next
+//! batch for those sessions from them, reading and locking nothing first. That is a
+//! guess, since another node (or a connection other than the writer's) may have appended
+//! since, so it is checked where it is written: the write-back moves only a counter the
+//! table still holds at the remembered value, and says how many it moved. One that moved
+//! elsewhere meanwhile (an append or a deletion, which appends too), or any failure of a
+//! write or of the write-back after events were numbered from an unchecked counter (the
+//! other node's rows may have taken their seqs first: the event's key, a message's), makes
+//! the batch roll back and run again reading its counters, which it then remembers no
+//! more ([`numbered_from_memory`], [`stop`]); nothing is committed from a counter no
+//! statement checked. In steady state a batch's counters cost it no round trip of their
+//! own: the lock is gone and the write-back rides with the rows.
 //!
 //! The table's counters are stale until then, so whatever reads `session`'s counter or
 //! update time on a connection that may be the writer's flushes first (the log's
@@ -52,7 +63,7 @@
 //!
 //! [`Store::write_for`]: crate::store::Store::write_for
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use diesel::pg::Pg;
@@ -68,6 +79,14 @@ use crate::store::{Conn, doubt_gathered, is_in_savepoint};
 #[derive(Debug)]
 struct Counter {
     last_seq: i64,
+    /// What the table holds, as far as this thread knows: what the batch's lock read or
+    /// its append moved it to ([`adopt`]), then wrote back; or, until a write-back checks
+    /// it, what an earlier batch of this thread committed ([`REMEMBERED`]). The write-back
+    /// moves only a counter the table still has at this value.
+    table_seq: i64,
+    /// Whether `table_seq` came from the table in this batch (by its lock, its append or a
+    /// write-back), not from memory.
+    checked: bool,
     /// When it was last moved, while the table does not have it yet.
     moved_at: Option<i64>,
     /// The update time the table holds with the counter, when this thread knows it: a
@@ -109,22 +128,40 @@ struct Changes {
 }
 
 /// What this thread keeps for its batch.
-#[derive(Debug)]
-enum Kept {
-    /// The sessions the batch's writes are for (sorted), not locked until one of them is
-    /// appended to.
-    Named(Vec<String>),
-    /// The one session the batch's writes are for, whose first append moves its counter
-    /// in the table (which locks the row) and then adopts it ([`adopt`]).
-    Single(String),
-    /// Their counters, the sessions locked; a session deleted before the lock is not
-    /// among them, nor one forgotten since ([`forget`]).
-    Locked(HashMap<String, Counter>),
+#[derive(Debug, Default)]
+struct Kept {
+    /// The sessions the batch's writes are for whose counters are not kept yet.
+    unkept: Unkept,
+    /// The counters kept: remembered from an earlier batch ([`REMEMBERED`]), or read by
+    /// the batch's lock or adopted after its append; not a session deleted before the
+    /// lock, nor one forgotten since ([`forget`]).
+    counters: HashMap<String, Counter>,
 }
+
+/// The sessions a batch's writes are for whose counters it neither remembers nor has
+/// read yet.
+#[derive(Debug, Default)]
+enum Unkept {
+    #[default]
+    None,
+    /// Several (sorted), locked together when one of them is first appended to.
+    Named(Vec<String>),
+    /// One, whose first append moves its counter in the table (which locks the row) and
+    /// then adopts it ([`adopt`]).
+    Single(String),
+}
+
+/// The most counters a thread remembers between batches: about 80 bytes each.
+const REMEMBERED_MAX: usize = 16_384;
 
 thread_local! {
     /// What this thread keeps, while it runs a batch that keeps counters.
     static KEPT: RefCell<Option<Kept>> = const { RefCell::new(None) };
+    /// The counters this thread's committed batches left in the table, by session, for
+    /// its next batches to start from without reading them ([`keep`]).
+    static REMEMBERED: RefCell<HashMap<String, i64>> = RefCell::new(HashMap::new());
+    /// Whether a write-back found a remembered counter the table no longer has.
+    static STALE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Keeps the counters of `sessions` on this thread until [`stop`], locking them when the
@@ -140,37 +177,138 @@ pub(crate) fn keep(connection: &Conn, sessions: &[SessionId]) {
     };
     ids.sort_unstable();
     ids.dedup();
-    let kept = match <[String; 1]>::try_from(ids) {
-        Ok([one]) => Kept::Single(one),
-        Err(ids) if ids.is_empty() => return,
-        Err(ids) => Kept::Named(ids),
+    if ids.is_empty() {
+        return;
+    }
+    let mut counters = HashMap::new();
+    REMEMBERED.with(|remembered| {
+        let remembered = remembered.borrow();
+        ids.retain(|id| {
+            let Some(&seq) = remembered.get(id) else {
+                return true;
+            };
+            counters.insert(id.clone(), Counter::at(seq, false));
+            false
+        });
+    });
+    let unkept = match <[String; 1]>::try_from(ids) {
+        Ok([one]) => Unkept::Single(one),
+        Err(ids) if ids.is_empty() => Unkept::None,
+        Err(ids) => Unkept::Named(ids),
     };
-    KEPT.with(|slot| *slot.borrow_mut() = Some(kept));
+    KEPT.with(|slot| *slot.borrow_mut() = Some(Kept { unkept, counters }));
+}
+
+impl Counter {
+    /// A counter the table holds at `seq`, not moved since.
+    fn at(seq: i64, checked: bool) -> Self {
+        Self {
+            last_seq: seq,
+            table_seq: seq,
+            checked,
+            moved_at: None,
+            table_time: None,
+            changes: Changes::default(),
+        }
+    }
 }
 
 /// Keeps session `id`'s counter, just moved in the table to `last_seq` at time `now` by
 /// an append of this thread outside a savepoint (the update locked its row), when it is
 /// the batch's one session ([`Kept::Single`]): its next appends move it in memory.
 pub(crate) fn adopt(connection: &mut Conn, id: &str, last_seq: i64, now: i64) -> QueryResult<()> {
-    let single =
-        KEPT.with(|kept| matches!(kept.borrow().as_ref(), Some(Kept::Single(one)) if one == id));
+    // Moved in the table: whatever this thread remembered of it is past.
+    unremember(id);
+    let single = KEPT.with(|kept| {
+        matches!(kept.borrow().as_ref(), Some(Kept { unkept: Unkept::Single(one), .. }) if one == id)
+    });
     if !single || is_in_savepoint(connection)? {
         return Ok(());
     }
-    let counter = Counter {
-        last_seq,
-        moved_at: None,
-        table_time: Some(now),
-        changes: Changes::default(),
-    };
-    let counters = HashMap::from([(id.to_owned(), counter)]);
-    KEPT.with(|kept| *kept.borrow_mut() = Some(Kept::Locked(counters)));
+    KEPT.with(|kept| {
+        if let Some(kept) = kept.borrow_mut().as_mut() {
+            kept.unkept = Unkept::None;
+            let counter = Counter {
+                table_time: Some(now),
+                ..Counter::at(last_seq, true)
+            };
+            kept.counters.insert(id.to_owned(), counter);
+        }
+    });
     Ok(())
 }
 
-/// Drops what this thread keeps, written back or not.
+/// After the batch committed: remembers the counters the table was seen to hold (read,
+/// moved or written back by the batch), for the thread's next batches, and keeps nothing
+/// more.
+pub(crate) fn committed() {
+    let Some(kept) = KEPT.with(|kept| kept.borrow_mut().take()) else {
+        return;
+    };
+    REMEMBERED.with(|remembered| {
+        let mut remembered = remembered.borrow_mut();
+        for (id, counter) in kept.counters {
+            if !counter.checked {
+                continue;
+            }
+            if remembered.len() >= REMEMBERED_MAX && !remembered.contains_key(&id) {
+                // Forgetting all costs each session one lock statement, once.
+                remembered.clear();
+            }
+            remembered.insert(id, counter.last_seq);
+        }
+    });
+}
+
+/// Drops what this thread keeps, written back or not: the batch did not commit, and its
+/// sessions' counters are remembered no more, so that a batch run again locks them (in
+/// the order of their ids) and reads them from the table.
 pub(crate) fn stop() {
-    KEPT.with(|kept| *kept.borrow_mut() = None);
+    let Some(kept) = KEPT.with(|kept| kept.borrow_mut().take()) else {
+        return;
+    };
+    REMEMBERED.with(|remembered| {
+        let mut remembered = remembered.borrow_mut();
+        for id in kept.counters.keys() {
+            remembered.remove(id);
+        }
+    });
+}
+
+/// Whether the batch kept a counter remembered from an earlier one (not read from the
+/// table) and numbered events from it before any statement checked it, or a write-back
+/// found one the table no longer has: a batch that failed then may have failed for it,
+/// and runs again reading its counters ([`stop`]) before anything is said to have
+/// failed.
+pub(crate) fn numbered_from_memory() -> bool {
+    STALE.with(Cell::get)
+        || KEPT.with(|kept| {
+            kept.borrow().as_ref().is_some_and(|kept| {
+                kept.counters
+                    .values()
+                    .any(|counter| !counter.checked && counter.moved_at.is_some())
+            })
+        })
+}
+
+/// Whether a write-back found a remembered counter the table no longer has (another node
+/// appended to its session, or deleted it), or failed writing one back: the batch cannot
+/// commit, and runs again reading its counters.
+pub(crate) fn stale() -> bool {
+    STALE.with(Cell::get)
+}
+
+/// Ends a batch's attempt, however it ended: [`stop`], and no write-back is stale any
+/// more.
+pub(crate) fn end() {
+    stop();
+    STALE.with(|stale| stale.set(false));
+}
+
+/// Remembers session `id`'s counter no more: the table's is moving on this thread
+/// outside what is kept.
+fn unremember(id: &str) {
+    REMEMBERED.with(|remembered| remembered.borrow_mut().remove(id));
 }
 
 /// Moves the kept counter of session `id` on by `by` at time `now` and returns its new
@@ -190,18 +328,18 @@ pub(crate) fn advance(
 ) -> QueryResult<Option<i64>> {
     let state = KEPT.with(|kept| match kept.borrow().as_ref() {
         None => State::None,
-        Some(Kept::Named(ids)) if ids.binary_search_by(|named| named.as_str().cmp(id)).is_ok() => {
-            State::Named
-        }
-        Some(Kept::Named(_) | Kept::Single(_)) => State::None,
-        Some(Kept::Locked(counters)) if counters.contains_key(id) => State::Locked,
-        Some(Kept::Locked(_)) => State::None,
+        Some(kept) if kept.counters.contains_key(id) => State::Kept,
+        Some(Kept {
+            unkept: Unkept::Named(ids),
+            ..
+        }) if ids.binary_search_by(|named| named.as_str().cmp(id)).is_ok() => State::Named,
+        Some(_) => State::None,
     });
     if state == State::None {
         return Ok(None);
     }
     if is_in_savepoint(connection)? {
-        if state == State::Locked {
+        if state == State::Kept {
             forget(connection, id)?;
         }
         return Ok(None);
@@ -211,10 +349,7 @@ pub(crate) fn advance(
     }
     Ok(KEPT.with(|kept| {
         let mut kept = kept.borrow_mut();
-        let Some(Kept::Locked(counters)) = kept.as_mut() else {
-            return None;
-        };
-        let counter = counters.get_mut(id)?;
+        let counter = kept.as_mut()?.counters.get_mut(id)?;
         counter.last_seq += by;
         counter.moved_at = Some(now);
         Some(counter.last_seq)
@@ -228,8 +363,8 @@ enum State {
     None,
     /// Named by the batch's writes, none of them locked yet.
     Named,
-    /// Locked, its counter kept.
-    Locked,
+    /// Its counter kept: remembered, or locked and read.
+    Kept,
 }
 
 /// Locks the named sessions and keeps their counters.
@@ -238,8 +373,14 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
         unreachable!("counters are kept only on PostgreSQL")
     };
     let ids = KEPT.with(|kept| match kept.borrow_mut().as_mut() {
-        Some(Kept::Named(ids)) => std::mem::take(ids),
-        _ => Vec::new(),
+        Some(kept) => match std::mem::take(&mut kept.unkept) {
+            Unkept::Named(ids) => ids,
+            other => {
+                kept.unkept = other;
+                Vec::new()
+            }
+        },
+        None => Vec::new(),
     });
     let locked = match (LockSessions { ids: &ids }).load::<(String, i64)>(pg) {
         Ok(locked) => locked,
@@ -249,19 +390,15 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
             return Err(e);
         }
     };
-    let counters = locked
-        .into_iter()
-        .map(|(id, last_seq)| {
-            let counter = Counter {
-                last_seq,
-                moved_at: None,
-                table_time: None,
-                changes: Changes::default(),
-            };
-            (id, counter)
-        })
-        .collect();
-    KEPT.with(|kept| *kept.borrow_mut() = Some(Kept::Locked(counters)));
+    KEPT.with(|kept| {
+        if let Some(kept) = kept.borrow_mut().as_mut() {
+            kept.counters.extend(
+                locked
+                    .into_iter()
+                    .map(|(id, last_seq)| (id, Counter::at(last_seq, true))),
+            );
+        }
+    });
     Ok(())
 }
 
@@ -275,7 +412,7 @@ fn lock(connection: &mut Conn) -> QueryResult<()> {
 /// change marks.
 pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> QueryResult<bool> {
     let state = KEPT.with(|kept| match kept.borrow().as_ref() {
-        Some(Kept::Locked(counters)) => counters.get(id).and_then(|counter| {
+        Some(kept) => kept.counters.get(id).and_then(|counter| {
             let usage_pending =
                 matches!(what, Change::Usage { .. }) && counter.changes.usage.is_some();
             Some((counter.moved_at.or(counter.table_time)?, usage_pending))
@@ -294,10 +431,7 @@ pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> Query
     }
     Ok(KEPT.with(|kept| {
         let mut kept = kept.borrow_mut();
-        let Some(Kept::Locked(counters)) = kept.as_mut() else {
-            return false;
-        };
-        let Some(counter) = counters.get_mut(id) else {
+        let Some(counter) = kept.as_mut().and_then(|kept| kept.counters.get_mut(id)) else {
             return false;
         };
         // Still to be written back, with this change.
@@ -323,11 +457,13 @@ pub(crate) fn change(connection: &mut Conn, id: &str, what: Change<'_>) -> Query
 /// which neither the counter's write-back nor a kept title or usage need precede (a
 /// step's boundary reads them after the last step's usage).
 pub(crate) fn flush_agent_and_model(connection: &mut Conn, id: &str) -> QueryResult<()> {
-    let changed = KEPT.with(|kept| match kept.borrow().as_ref() {
-        Some(Kept::Locked(counters)) => counters.get(id).is_some_and(|counter| {
-            counter.changes.agent.is_some() || counter.changes.model.is_some()
-        }),
-        _ => false,
+    let changed = KEPT.with(|kept| {
+        kept.borrow()
+            .as_ref()
+            .and_then(|kept| kept.counters.get(id))
+            .is_some_and(|counter| {
+                counter.changes.agent.is_some() || counter.changes.model.is_some()
+            })
     });
     if changed {
         write_back(connection, Some(id), &[])?;
@@ -352,25 +488,22 @@ fn write_back(connection: &mut Conn, only: Option<&str>, rows: &[Row]) -> QueryR
     let Conn::Pg(_) = connection else {
         return rows::insert_all(connection, rows);
     };
-    let moved = KEPT.with(|kept| {
+    let (moved, from_memory) = KEPT.with(|kept| {
         let mut moved = Moved::default();
-        if let Some(Kept::Locked(counters)) = kept.borrow_mut().as_mut() {
-            for (id, counter) in counters {
+        let mut from_memory = false;
+        if let Some(kept) = kept.borrow_mut().as_mut() {
+            for (id, counter) in &mut kept.counters {
                 if only.is_some_and(|only| only != id) {
                     continue;
                 }
                 counter.table_time = None;
                 if let Some(time) = counter.moved_at.take() {
-                    moved.push(
-                        id,
-                        counter.last_seq,
-                        time,
-                        std::mem::take(&mut counter.changes),
-                    );
+                    from_memory |= !counter.checked;
+                    moved.push(id, counter, time);
                 }
             }
         }
-        moved
+        (moved, from_memory)
     });
     if moved.ids.is_empty() {
         return rows::insert_all(connection, rows);
@@ -383,22 +516,53 @@ fn write_back(connection: &mut Conn, only: Option<&str>, rows: &[Row]) -> QueryR
     let Conn::Pg(pg) = connection else {
         unreachable!("matched above")
     };
+    let count = moved.ids.len();
     let written = match rows {
-        [] => moved.execute(pg),
+        [] => moved.load::<String>(pg),
         rows => WithRows {
             rows: RowArrays::of(rows),
             moved: &moved,
         }
-        .execute(pg),
+        .load::<String>(pg),
     };
-    if written.is_err() {
-        // Not in the table, and nothing more is kept for it. At the top the transaction
-        // is doomed; inside a savepoint it is not, and a write that swallowed the error
-        // would let the batch commit without the counters: it cannot.
-        stop();
-        doubt_gathered();
-    }
-    written.map(drop)
+    let written = written.and_then(|written| {
+        if written.len() == count {
+            return Ok(written);
+        }
+        // A remembered counter the table no longer has, or a session deleted since:
+        // nothing more is written, and the batch runs again reading its counters.
+        STALE.with(|stale| stale.set(true));
+        Err(diesel::result::Error::QueryBuilderError(
+            "a session's counter moved outside this batch since it was remembered".into(),
+        ))
+    });
+    let written = match written {
+        Ok(written) => written,
+        Err(e) => {
+            // Not in the table, and nothing more is kept for it. At the top the transaction
+            // is doomed; inside a savepoint it is not, and a write that swallowed the error
+            // would let the batch commit without the counters: it cannot. A row numbered
+            // from a remembered counter may have been refused for it: the batch runs
+            // again reading its counters before the refusal is believed.
+            if from_memory {
+                STALE.with(|stale| stale.set(true));
+            }
+            stop();
+            doubt_gathered();
+            return Err(e);
+        }
+    };
+    KEPT.with(|kept| {
+        if let Some(kept) = kept.borrow_mut().as_mut() {
+            for id in &written {
+                if let Some(counter) = kept.counters.get_mut(id) {
+                    counter.table_seq = counter.last_seq;
+                    counter.checked = true;
+                }
+            }
+        }
+    });
+    Ok(())
 }
 
 /// Writes session `id`'s kept counter to the table if it moved, and keeps it no more:
@@ -406,17 +570,25 @@ fn write_back(connection: &mut Conn, only: Option<&str>, rows: &[Row]) -> QueryR
 /// and for an append inside a savepoint. The other sessions' counters stay as they are,
 /// so that a savepoint appending to a session the batch has not moved costs nothing more.
 pub(crate) fn forget(connection: &mut Conn, id: &str) -> QueryResult<()> {
-    let locked = KEPT.with(|kept| {
-        matches!(kept.borrow().as_ref(), Some(Kept::Locked(counters)) if counters.contains_key(id))
+    unremember(id);
+    let kept = KEPT.with(|kept| {
+        kept.borrow()
+            .as_ref()
+            .is_some_and(|kept| kept.counters.contains_key(id))
     });
-    if !locked {
+    if !kept {
         // Not locked yet, the lock will read what the table says by then.
         return Ok(());
     }
     write_back(connection, Some(id), &[])?;
     KEPT.with(|kept| {
-        if let Some(Kept::Locked(counters)) = kept.borrow_mut().as_mut() {
-            counters.remove(id);
+        if let Some(kept) = kept.borrow_mut().as_mut() {
+            kept.counters.remove(id);
+            if matches!(kept.unkept, Unkept::None) {
+                // Its next append outside a savepoint moves the counter in the table,
+                // which locks the row again, and keeps it from there.
+                kept.unkept = Unkept::Single(id.to_owned());
+            }
         }
     });
     Ok(())
@@ -453,6 +625,8 @@ impl<C> RunQueryDsl<C> for LockSessions<'_> {}
 #[derive(Debug, Default)]
 struct Moved {
     ids: Vec<String>,
+    /// What the table must still hold for each ([`Counter::table_seq`]).
+    table_seqs: Vec<i64>,
     last_seqs: Vec<i64>,
     times: Vec<i64>,
     titles: Vec<Option<String>>,
@@ -465,9 +639,11 @@ struct Moved {
 }
 
 impl Moved {
-    fn push(&mut self, id: &str, last_seq: i64, time: i64, changes: Changes) {
+    fn push(&mut self, id: &str, counter: &mut Counter, time: i64) {
+        let changes = std::mem::take(&mut counter.changes);
         self.ids.push(id.to_owned());
-        self.last_seqs.push(last_seq);
+        self.table_seqs.push(counter.table_seq);
+        self.last_seqs.push(counter.last_seq);
         self.times.push(time);
         self.titles.push(changes.title);
         self.agents.push(changes.agent);
@@ -494,6 +670,8 @@ impl QueryFragment<Pg> for Moved {
         );
         out.push_bind_param::<Array<Text>, _>(&self.ids)?;
         out.push_sql(", ");
+        out.push_bind_param::<Array<BigInt>, _>(&self.table_seqs)?;
+        out.push_sql(", ");
         out.push_bind_param::<Array<BigInt>, _>(&self.last_seqs)?;
         out.push_sql(", ");
         out.push_bind_param::<Array<BigInt>, _>(&self.times)?;
@@ -508,10 +686,14 @@ impl QueryFragment<Pg> for Moved {
         out.push_sql(", ");
         out.push_bind_param::<Array<Double>, _>(&self.costs)?;
         out.push_sql(
-            r#") AS "moved" ("id", "last_seq", "time", "title", "agent", "provider", "model", "input", "output", "reasoning", "cache_read", "cache_write", "cost") WHERE "session"."id" = "moved"."id""#,
+            r#") AS "moved" ("id", "table_seq", "last_seq", "time", "title", "agent", "provider", "model", "input", "output", "reasoning", "cache_read", "cache_write", "cost") WHERE "session"."id" = "moved"."id" AND "session"."last_seq" = "moved"."table_seq" RETURNING "session"."id""#,
         );
         Ok(())
     }
+}
+
+impl Query for Moved {
+    type SqlType = Text;
 }
 
 impl<C> RunQueryDsl<C> for Moved {}
@@ -536,6 +718,10 @@ impl QueryFragment<Pg> for WithRows<'_> {
         out.push_sql(") ");
         self.moved.walk_ast(out)
     }
+}
+
+impl Query for WithRows<'_> {
+    type SqlType = Text;
 }
 
 impl<C> RunQueryDsl<C> for WithRows<'_> {}

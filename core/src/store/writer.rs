@@ -578,6 +578,11 @@ enum Attempt {
     /// The database aborted the transaction to resolve a conflict with another one; it
     /// was rolled back and may run again.
     Conflict(String),
+    /// A session's counter, remembered from an earlier batch, was not the table's, or a
+    /// write or the batch's end failed after events were numbered from one
+    /// ([`counters::numbered_from_memory`]); it was rolled back, and runs again reading
+    /// its sessions' counters.
+    Stale,
     NotBegun(String),
 }
 
@@ -630,6 +635,14 @@ fn run_batch(
                 std::thread::sleep(conflict_pause(attempt));
                 attempt += 1;
             }
+            Attempt::Stale if attempt < CONFLICT_ATTEMPTS => {
+                tracing::debug!(
+                    attempt,
+                    writes = batch.len(),
+                    "a batch numbered events from a counter the table no longer has; running it again"
+                );
+                attempt += 1;
+            }
             Attempt::NotBegun(message) => return Ran::NotBegun(batch, message),
             ended => break ended,
         }
@@ -649,6 +662,13 @@ fn run_batch(
         Attempt::Committed | Attempt::WriteFailed => None,
         Attempt::CommitFailed(message) => Some(message),
         Attempt::Failpoint => Some("a failpoint made this commit fail".to_owned()),
+        Attempt::Stale => {
+            let message = format!(
+                "the sessions' counters kept moving outside the batch (gave up after {attempt} attempts)"
+            );
+            tracing::error!(%message, writes = batch.len(), "write batch failed");
+            Some(message)
+        }
         Attempt::Conflict(message) => {
             let message = format!("{message} (gave up after {attempt} attempts)");
             tracing::error!(%message, writes = batch.len(), "write batch failed");
@@ -740,12 +760,15 @@ impl Gathering {
         Self
     }
 
-    /// Writes what was gathered and kept before the commit: the messages the batch's
-    /// edits left unwritten, then the event rows and the counters (on PostgreSQL by one
-    /// statement).
+    /// Writes what was gathered and kept before the commit: the event rows and the
+    /// counters (on PostgreSQL by one statement), then the messages the batch's edits left
+    /// unwritten. The counters go first: their write-back locks the sessions' rows, as an
+    /// append that reads its counter does before any edit, so two nodes' batches take a
+    /// session's locks in the same order; and one that finds a remembered counter moved
+    /// ends the batch before its edits are written.
     fn flush(connection: &mut Conn) -> diesel::QueryResult<()> {
-        crate::event::projector::write_unwritten(connection, None)?;
-        rows::flush_with(connection, counters::flush_with_rows)
+        rows::flush_with(connection, counters::flush_with_rows)?;
+        crate::event::projector::write_unwritten(connection, None)
     }
 }
 
@@ -753,7 +776,7 @@ impl Drop for Gathering {
     fn drop(&mut self) {
         crate::event::projector::forget_unwritten();
         rows::stop();
-        counters::stop();
+        counters::end();
         DOUBTED.with(|doubted| doubted.set(false));
     }
 }
@@ -792,6 +815,12 @@ fn attempt_batch(
                     .to_owned(),
             );
         }
+        if counters::stale() || (!succeeded && !savepoints && counters::numbered_from_memory()) {
+            // A counter remembered from an earlier batch was not the table's, or the write
+            // failed after numbering events from one: nothing is believed yet.
+            rollback_all(connection);
+            return Attempt::Stale;
+        }
         if !succeeded && !savepoints {
             // Undoing the transaction undoes what the failed write did.
             rollback_all(connection);
@@ -817,6 +846,10 @@ fn attempt_batch(
     if mode.gathered
         && let Err(e) = Gathering::flush(connection)
     {
+        if counters::stale() {
+            rollback_all(connection);
+            return Attempt::Stale;
+        }
         let conflict = conflicts.take() || is_conflict(&e);
         let message = format!("writing the batch's event rows and counters failed: {e}");
         rollback_all(connection);
@@ -837,7 +870,10 @@ fn attempt_batch(
         return Attempt::Failpoint;
     }
     match commit(connection) {
-        Ok(()) => Attempt::Committed,
+        Ok(()) => {
+            counters::committed();
+            Attempt::Committed
+        }
         Err(e) => {
             let conflict = conflicts.take() || is_conflict(&e);
             let message = format!("commit failed: {e}");

@@ -191,3 +191,72 @@ async fn nodes_appending_to_the_same_sessions_at_once_number_every_event_once() 
         }
     }
 }
+
+/// A node's writer remembers the counters its batches committed and numbers its next
+/// appends from them without reading the table (`event::counters`). Another node's
+/// appends move those counters, and its deletion ends the session: the first node's next
+/// append to each is numbered after what the other wrote, or refused, and never fails
+/// for the stale counter, even where its event creates a row whose seq another node's
+/// row already took (a message).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_s_remembered_counters_give_way_to_another_node_s_appends_and_deletion() {
+    use crate::log::{in_one_batch, one_writer};
+    use keel_schema::id::MessageId;
+
+    let Some(db) = TestDb::postgres() else {
+        return;
+    };
+    let (a, b) = (one_writer(&db).await, one_writer(&db).await);
+    let (s, t) = (new_session(&a).await, new_session(&a).await);
+    let seqs = |events: Vec<keel_schema::event::Envelope>| {
+        events.iter().map(|e| e.seq).collect::<Vec<u64>>()
+    };
+    // Each appended by `a`, which remembers both counters at 2.
+    assert_eq!(seqs(a.append(s, vec![renamed("a")]).await.unwrap()), [2]);
+    assert_eq!(seqs(a.append(t, vec![renamed("a")]).await.unwrap()), [2]);
+    let started = |message: MessageId| {
+        DurableEvent::StepStarted(payload::StepStarted {
+            assistant_message_id: message,
+            step: 1,
+            agent: "build".into(),
+            model: keel_schema::types::ModelRef {
+                provider: "scripted".into(),
+                id: "demo".into(),
+            },
+        })
+    };
+    let on_b = b.append(s, vec![started(MessageId::new())]).await.unwrap();
+    assert_eq!(seqs(on_b), [3]);
+    let on_b = b.append(t, vec![renamed("b"), renamed("b")]).await.unwrap();
+    assert_eq!(seqs(on_b), [3, 4]);
+
+    // Alone in its batch, and with the other session in one batch.
+    let on_a = a.append(s, vec![started(MessageId::new())]).await.unwrap();
+    assert_eq!(seqs(on_a), [4]);
+    let (on_s, on_t) = in_one_batch(&a, async {
+        tokio::join!(
+            a.append(s, vec![renamed("a again")]),
+            a.append(t, vec![renamed("a again")]),
+        )
+    })
+    .await;
+    assert_eq!(seqs(on_s.unwrap()), [5]);
+    assert_eq!(seqs(on_t.unwrap()), [5]);
+
+    let deleted = b
+        .append(s, vec![DurableEvent::Deleted(payload::Deleted {})])
+        .await
+        .unwrap();
+    assert_eq!(seqs(deleted), [6]);
+    let refused = a.append(s, vec![renamed("too late")]).await.unwrap_err();
+    assert!(
+        matches!(refused, Error::SessionDeleted(id) if id == s),
+        "{refused}"
+    );
+
+    for (session, last) in [(s, 6), (t, 5)] {
+        let log = a.read_log(session, 0, 100).await.unwrap();
+        assert_eq!(seqs(log), (1..=last).collect::<Vec<u64>>());
+        assert_eq!(b.last_seq(session).await.unwrap(), Some(last));
+    }
+}
