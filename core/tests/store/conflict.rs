@@ -200,7 +200,7 @@ async fn nodes_appending_to_the_same_sessions_at_once_number_every_event_once() 
 /// row already took (a message).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_s_remembered_counters_give_way_to_another_node_s_appends_and_deletion() {
-    use crate::log::{in_one_batch, one_writer};
+    use crate::log::{in_one_batch, one_writer, started};
     use keel_schema::id::MessageId;
 
     let Some(db) = TestDb::postgres() else {
@@ -214,17 +214,6 @@ async fn a_node_s_remembered_counters_give_way_to_another_node_s_appends_and_del
     // Each appended by `a`, which remembers both counters at 2.
     assert_eq!(seqs(a.append(s, vec![renamed("a")]).await.unwrap()), [2]);
     assert_eq!(seqs(a.append(t, vec![renamed("a")]).await.unwrap()), [2]);
-    let started = |message: MessageId| {
-        DurableEvent::StepStarted(payload::StepStarted {
-            assistant_message_id: message,
-            step: 1,
-            agent: "build".into(),
-            model: keel_schema::types::ModelRef {
-                provider: "scripted".into(),
-                id: "demo".into(),
-            },
-        })
-    };
     let on_b = b.append(s, vec![started(MessageId::new())]).await.unwrap();
     assert_eq!(seqs(on_b), [3]);
     let on_b = b.append(t, vec![renamed("b"), renamed("b")]).await.unwrap();

@@ -11,7 +11,8 @@ use crate::backend_tests;
 use crate::lifecycle::{Rows, rows};
 use crate::support::{T0, TestDb, created, new_session, new_sessions};
 
-fn started(message: MessageId) -> DurableEvent {
+/// Step 1's start, its assistant message `message`.
+pub(crate) fn started(message: MessageId) -> DurableEvent {
     DurableEvent::StepStarted(payload::StepStarted {
         assistant_message_id: message,
         step: 1,
