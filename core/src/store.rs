@@ -182,6 +182,9 @@ pub struct Stats {
     /// Commits that reached the disk before answering (at SQLite's `NORMAL`: that would
     /// have), and syncs of deferred commits.
     pub syncs: AtomicU64,
+    /// Batches run again because a session's counter, remembered from an earlier batch,
+    /// had moved outside it (PostgreSQL, [`crate::event::counters`]).
+    pub stale: AtomicU64,
 }
 
 /// A handle to an open store. Cheap to clone; the writer stops when the last handle goes.
@@ -309,6 +312,12 @@ impl Store {
             self.inner.stats.batches.load(Ordering::Relaxed),
             self.inner.stats.writes.load(Ordering::Relaxed),
         )
+    }
+
+    /// How many batches ran again for a remembered counter that had moved
+    /// ([`Stats::stale`]).
+    pub fn stale_reruns(&self) -> u64 {
+        self.inner.stats.stale.load(Ordering::Relaxed)
     }
 
     /// How many times the writer waited for the disk ([`Stats::syncs`]).

@@ -14,7 +14,8 @@
 //! for its counters instead of n or more. A batch of one session's writes locks nothing
 //! by a statement of its own: its first append moves the counter in the table, which
 //! locks the row, and the counter is kept from there ([`adopt`]). Any other session (not
-//! named, created after the lock, or forgotten, below) is counted in the table as before.
+//! named, or created after the lock) is counted in the table as before; so is a forgotten
+//! one (below) until its next append outside a savepoint, which adopts its counter again.
 //!
 //! A session's writes all go to one writer of a node, so the writer also remembers the
 //! counters its committed batches left in the table ([`committed`]) and starts its next
@@ -36,8 +37,8 @@
 //! whatever else changes them forgets the kept counter ([`forget`]): the import's own
 //! numbering, and a deletion, after which the session takes no more events. A batch that
 //! fails in any way is rolled back and what it kept dropped with it ([`stop`]); it runs
-//! again keeping them afresh after a conflict, or keeping nothing (after a failed write,
-//! refused rows or counters, or [`doubt_gathered`]).
+//! again keeping them afresh after a conflict or a stale remembered counter, or keeping
+//! nothing (after a failed write, refused rows or counters, or [`doubt_gathered`]).
 //!
 //! A write's own savepoint (a nested transaction) may be rolled back while the batch goes
 //! on, which would release locks taken in it and undo a write-back made in it, but not
@@ -215,7 +216,8 @@ impl Counter {
 
 /// Keeps session `id`'s counter, just moved in the table to `last_seq` at time `now` by
 /// an append of this thread outside a savepoint (the update locked its row), when it is
-/// the batch's one session ([`Kept::Single`]): its next appends move it in memory.
+/// the batch's one session not kept yet ([`Unkept::Single`]): its next appends move it in
+/// memory.
 pub(crate) fn adopt(connection: &mut Conn, id: &str, last_seq: i64, now: i64) -> QueryResult<()> {
     // Moved in the table: whatever this thread remembered of it is past.
     unremember(id);
@@ -492,7 +494,11 @@ fn write_back(connection: &mut Conn, only: Option<&str>, rows: &[Row]) -> QueryR
         let mut moved = Moved::default();
         let mut from_memory = false;
         if let Some(kept) = kept.borrow_mut().as_mut() {
-            for (id, counter) in &mut kept.counters {
+            // In the order of their ids, as the lock takes them: the update locks the
+            // rows in the order it reaches them, which for a few ids is theirs.
+            let mut counters: Vec<_> = kept.counters.iter_mut().collect();
+            counters.sort_unstable_by_key(|(id, _)| *id);
+            for (id, counter) in counters {
                 if only.is_some_and(|only| only != id) {
                     continue;
                 }

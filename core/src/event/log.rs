@@ -4,7 +4,9 @@
 //! projector for it and inserts it, all inside the caller's transaction: events appended
 //! together commit together, and a projector error rolls them all back. The session row's
 //! `last_seq` is the counter; it is advanced (locking the row on PostgreSQL) before any
-//! event is numbered, so concurrent appends to one session serialize.
+//! event is numbered, or, on PostgreSQL from a counter the store's writer remembers,
+//! moved only if the table still holds the remembered value
+//! ([`crate::event::counters`]), so concurrent appends to one session serialize.
 //!
 //! Appending is the hottest write Keel has, so its statements are few and prepared once
 //! (fixed statements, see [`crate::store::fixed`]): the counter is advanced and read back
@@ -49,7 +51,9 @@ pub fn append(
         return Ok(appended);
     }
     // The counter moves first, which also takes the row lock and checks the session is
-    // live; an error below rolls it back with the events.
+    // live (from a counter the writer remembers, its write-back does both, and the batch
+    // runs again if it finds the counter moved); an error below rolls it back with the
+    // events.
     let count = db_int(events.len() as u64)?;
     let Some(last) = advance(connection, &id, count, now)? else {
         // Nothing was changed: say why.

@@ -636,6 +636,7 @@ fn run_batch(
                 attempt += 1;
             }
             Attempt::Stale if attempt < CONFLICT_ATTEMPTS => {
+                context.stats.stale.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(
                     attempt,
                     writes = batch.len(),
@@ -762,10 +763,9 @@ impl Gathering {
 
     /// Writes what was gathered and kept before the commit: the event rows and the
     /// counters (on PostgreSQL by one statement), then the messages the batch's edits left
-    /// unwritten. The counters go first: their write-back locks the sessions' rows, as an
-    /// append that reads its counter does before any edit, so two nodes' batches take a
-    /// session's locks in the same order; and one that finds a remembered counter moved
-    /// ends the batch before its edits are written.
+    /// unwritten. The counters go first: a write-back that finds a remembered counter
+    /// moved ends the batch before its edits are written, and otherwise locks the
+    /// sessions' rows before their messages', as an append that locks its counter does.
     fn flush(connection: &mut Conn) -> diesel::QueryResult<()> {
         rows::flush_with(connection, counters::flush_with_rows)?;
         crate::event::projector::write_unwritten(connection, None)

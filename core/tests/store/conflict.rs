@@ -196,8 +196,10 @@ async fn nodes_appending_to_the_same_sessions_at_once_number_every_event_once() 
 /// appends from them without reading the table (`event::counters`). Another node's
 /// appends move those counters, and its deletion ends the session: the first node's next
 /// append to each is numbered after what the other wrote, or refused, and never fails
-/// for the stale counter, even where its event creates a row whose seq another node's
-/// row already took (a message).
+/// for the stale counter, whichever statement finds it stale: a row whose seq the other
+/// node's row took (a message's), the write-back at the batch's end, the write-back for a
+/// read of the counter in the batch, or the one a deletion makes. Each is one batch run
+/// again, which only a remembered counter causes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_s_remembered_counters_give_way_to_another_node_s_appends_and_deletion() {
     use crate::log::{in_one_batch, one_writer, started};
@@ -211,17 +213,20 @@ async fn a_node_s_remembered_counters_give_way_to_another_node_s_appends_and_del
     let seqs = |events: Vec<keel_schema::event::Envelope>| {
         events.iter().map(|e| e.seq).collect::<Vec<u64>>()
     };
-    // Each appended by `a`, which remembers both counters at 2.
+    // Each appended by `a`, which then remembers both counters at 2.
     assert_eq!(seqs(a.append(s, vec![renamed("a")]).await.unwrap()), [2]);
     assert_eq!(seqs(a.append(t, vec![renamed("a")]).await.unwrap()), [2]);
+    assert_eq!(a.stale_reruns(), 0);
     let on_b = b.append(s, vec![started(MessageId::new())]).await.unwrap();
     assert_eq!(seqs(on_b), [3]);
     let on_b = b.append(t, vec![renamed("b"), renamed("b")]).await.unwrap();
     assert_eq!(seqs(on_b), [3, 4]);
 
-    // Alone in its batch, and with the other session in one batch.
+    // A message whose seq `b`'s message took.
     let on_a = a.append(s, vec![started(MessageId::new())]).await.unwrap();
     assert_eq!(seqs(on_a), [4]);
+    assert_eq!(a.stale_reruns(), 1);
+    // `s` as remembered, `t` moved: the batch's write-back.
     let (on_s, on_t) = in_one_batch(&a, async {
         tokio::join!(
             a.append(s, vec![renamed("a again")]),
@@ -231,19 +236,44 @@ async fn a_node_s_remembered_counters_give_way_to_another_node_s_appends_and_del
     .await;
     assert_eq!(seqs(on_s.unwrap()), [5]);
     assert_eq!(seqs(on_t.unwrap()), [5]);
-
-    let deleted = b
+    assert_eq!(a.stale_reruns(), 2);
+    // The write-back for a read of the counter inside the batch.
+    assert_eq!(seqs(b.append(t, vec![renamed("b")]).await.unwrap()), [6]);
+    let (appended, counted) = a
+        .write_for(t, move |c| {
+            let appended = log::append(c, 0, t, vec![renamed("a, read")])?;
+            let counted = log::last_seq(c, t)?;
+            Ok::<_, Error>((appended, counted))
+        })
+        .await
+        .unwrap();
+    assert_eq!((seqs(appended), counted), (vec![7], Some(7)));
+    assert_eq!(a.stale_reruns(), 3);
+    // The write-back a deletion makes.
+    assert_eq!(seqs(b.append(s, vec![renamed("b")]).await.unwrap()), [6]);
+    let deleted = a
         .append(s, vec![DurableEvent::Deleted(payload::Deleted {})])
         .await
         .unwrap();
-    assert_eq!(seqs(deleted), [6]);
-    let refused = a.append(s, vec![renamed("too late")]).await.unwrap_err();
+    assert_eq!(seqs(deleted), [7]);
+    assert_eq!(a.stale_reruns(), 4);
+
+    // Deleted by the other node: refused.
+    let u = new_session(&a).await;
+    assert_eq!(seqs(a.append(u, vec![renamed("a")]).await.unwrap()), [2]);
+    let deleted = b
+        .append(u, vec![DurableEvent::Deleted(payload::Deleted {})])
+        .await
+        .unwrap();
+    assert_eq!(seqs(deleted), [3]);
+    let refused = a.append(u, vec![renamed("too late")]).await.unwrap_err();
     assert!(
-        matches!(refused, Error::SessionDeleted(id) if id == s),
+        matches!(refused, Error::SessionDeleted(id) if id == u),
         "{refused}"
     );
+    assert_eq!(a.stale_reruns(), 5);
 
-    for (session, last) in [(s, 6), (t, 5)] {
+    for (session, last) in [(s, 7), (t, 7), (u, 3)] {
         let log = a.read_log(session, 0, 100).await.unwrap();
         assert_eq!(seqs(log), (1..=last).collect::<Vec<u64>>());
         assert_eq!(b.last_seq(session).await.unwrap(), Some(last));

@@ -570,12 +570,13 @@ impl Projection<'_> {
 /// In such a batch an edit is not written either: the message is kept unwritten
 /// ([`Stored::Unwritten`]) for the batch's next edit, and written once, before the batch
 /// commits or anything reads the session's messages ([`write_unwritten`]), with
-/// `UPDATE … WHERE updated_seq = <version the batch's first edit started from>`. From its
-/// first append the batch holds the session (PostgreSQL: the counter's row lock, or with
-/// a counter its writer remembers, from the counter's write-back, which the batch makes
-/// before this write; SQLite: its write transaction), so only another node's edit before
-/// then can have moved the row; the write then finds no row, and so may an edit refused on such a copy stem from
-/// it ([`refusing`]): either way the batch runs again from the rows. Outside a plain batch
+/// `UPDATE … WHERE updated_seq = <version the batch's first edit started from>`: should
+/// another node have edited the message since, the write finds no row. The batch holds
+/// the session from its first append (PostgreSQL: the counter's row lock; SQLite: its
+/// write transaction), or, on PostgreSQL with a counter its writer remembers, from the
+/// counter's write-back, which fails should another node have appended (and so edited)
+/// meanwhile. An edit refused on such a copy may stem from another node's edit too
+/// ([`refusing`]): either way the batch runs again from the rows. Outside a plain batch
 /// an edit is written at once, `WHERE updated_seq = <version>` when it started from a
 /// kept copy, and finding no row it reads the row after all.
 #[derive(Default)]
