@@ -183,7 +183,8 @@ pub struct Stats {
     /// have), and syncs of deferred commits.
     pub syncs: AtomicU64,
     /// Batches run again because a session's counter, remembered from an earlier batch,
-    /// had moved outside it (PostgreSQL, [`crate::event::counters`]).
+    /// had moved outside it, or a write failed after events were numbered from one before
+    /// any statement checked it (PostgreSQL, [`crate::event::counters`]).
     pub stale: AtomicU64,
 }
 
@@ -314,7 +315,7 @@ impl Store {
         )
     }
 
-    /// How many batches ran again for a remembered counter that had moved
+    /// How many batches ran again for a remembered counter that had moved, or might have
     /// ([`Stats::stale`]).
     pub fn stale_reruns(&self) -> u64 {
         self.inner.stats.stale.load(Ordering::Relaxed)
