@@ -165,12 +165,12 @@ thread_local! {
     static STALE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Keeps the counters of `sessions` on this thread until [`stop`], locking them when the
-/// first is appended to. Keeps nothing on SQLite. A single session's counter is not
-/// locked by a statement of its own: its first append moves it in the table as without
-/// keeping, which locks its row, and the counter is kept from there ([`adopt`]), so that
-/// a batch of one append costs what it did, and one of more appends, or of an append and
-/// its step's usage, one statement more than its first append in all.
+/// Keeps the counters of `sessions` on this thread until [`stop`]: those the thread
+/// remembers ([`committed`]) from memory, checked by their write-back; the others locked
+/// when the first of them is appended to. Keeps nothing on SQLite. A single session's
+/// counter not remembered is not locked by a statement of its own: its first append
+/// moves it in the table as without keeping, which locks its row, and the counter is
+/// kept from there ([`adopt`]).
 pub(crate) fn keep(connection: &Conn, sessions: &[SessionId]) {
     let mut ids: Vec<String> = match connection {
         Conn::Pg(_) => sessions.iter().map(ToString::to_string).collect(),
