@@ -36,6 +36,7 @@ pub struct Metrics {
     store_commit_seconds: Histogram,
     store_batch_writes: Histogram,
     store_queue: Gauge,
+    store_stale_reruns: Counter,
     recovery_passes: Counter,
     recovery_claims: Family<Labels, Counter>,
     stream_subscribers: Gauge,
@@ -70,6 +71,7 @@ impl Metrics {
             store_commit_seconds: seconds(),
             store_batch_writes: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
             store_queue: Gauge::default(),
+            store_stale_reruns: Counter::default(),
             recovery_passes: Counter::default(),
             recovery_claims: Family::default(),
             stream_subscribers: Gauge::default(),
@@ -143,6 +145,11 @@ impl Metrics {
             "store_queue",
             "Writes waiting for the writer",
             m.store_queue.clone(),
+        );
+        registry.register(
+            "store_stale_reruns",
+            "Write batches run again for a session counter remembered from an earlier batch that had moved, or might have (PostgreSQL)",
+            m.store_stale_reruns.clone(),
         );
         registry.register(
             "recovery_passes",
@@ -333,6 +340,12 @@ impl Drop for StreamGuard {
     fn drop(&mut self) {
         m().stream_subscribers.dec();
     }
+}
+
+/// A write batch runs again for a remembered counter that had moved, or might have
+/// ([`crate::event::counters`]).
+pub fn store_stale_rerun() {
+    m().store_stale_reruns.inc();
 }
 
 /// A subscriber fell behind and was disconnected.

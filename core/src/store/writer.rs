@@ -637,6 +637,7 @@ fn run_batch(
             }
             Attempt::Stale if attempt < CONFLICT_ATTEMPTS => {
                 context.stats.stale.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::store_stale_rerun();
                 tracing::debug!(
                     attempt,
                     writes = batch.len(),

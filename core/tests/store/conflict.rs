@@ -273,6 +273,16 @@ async fn a_node_s_remembered_counters_give_way_to_another_node_s_appends_and_del
     );
     assert_eq!(a.stale_reruns(), 5);
 
+    // The process's metric counts them too (other tests' stores may add to it).
+    let page = keel_core::metrics::render(keel_core::metrics::Shared::default());
+    let reruns: f64 = page
+        .lines()
+        .find_map(|line| line.strip_prefix("keel_store_stale_reruns_total "))
+        .expect("the metric is on the page")
+        .parse()
+        .unwrap();
+    assert!(reruns >= 5.0, "{reruns}");
+
     for (session, last) in [(s, 7), (t, 7), (u, 3)] {
         let log = a.read_log(session, 0, 100).await.unwrap();
         assert_eq!(seqs(log), (1..=last).collect::<Vec<u64>>());
